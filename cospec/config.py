@@ -1,0 +1,335 @@
+"""Typed run configuration: frozen dataclasses, validation, file loading and CLI overrides.
+
+Every field has a docstring-style comment just above it (`#:`) that `cospec <cmd> --help-config`
+prints. Invalid values raise `ConfigError` (a `ValueError`) naming the dotted field the user typed,
+e.g. ``model.num_heads=5: must divide model.hidden_size=128``.
+
+Overrides are ``section.field=value`` strings; values are parsed as YAML scalars (so ``true``,
+``3``, ``1e-3``, ``[1, 2]`` work) and then coerced to the field's declared type.
+
+Named recipes are plain functions deriving from `base()` (torchtitan style): see `RECIPES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the dotted field."""
+
+
+def _check(cond: bool, name: str, msg: str) -> None:
+    if not cond:
+        raise ConfigError(f"{name}: {msg}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    #: vocabulary size; must equal the tokenizer's for the task suite
+    vocab_size: int = 64
+    #: model width (residual stream size)
+    hidden_size: int = 256
+    #: number of decoder layers
+    num_layers: int = 6
+    #: number of query heads
+    num_heads: int = 8
+    #: number of key/value heads (grouped-query attention); must divide num_heads
+    num_kv_heads: int = 2
+    #: SwiGLU inner size
+    intermediate_size: int = 704
+    #: RoPE base frequency
+    rope_theta: float = 10000.0
+    #: RMSNorm epsilon
+    rms_norm_eps: float = 1e-5
+    #: longest sequence (prompt + response) the model and its KV cache accept
+    max_seq_len: int = 256
+    #: bias on q/k/v projections (Qwen2 style)
+    qkv_bias: bool = False
+    #: share the input embedding with the LM head
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        for n in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
+                  "intermediate_size", "max_seq_len"):
+            _check(getattr(self, n) > 0, f"model.{n}", f"must be positive, got {getattr(self, n)}")
+        _check(self.hidden_size % self.num_heads == 0, "model.num_heads",
+               f"must divide model.hidden_size={self.hidden_size}, got {self.num_heads}")
+        _check(self.num_heads % self.num_kv_heads == 0, "model.num_kv_heads",
+               f"must divide model.num_heads={self.num_heads}, got {self.num_kv_heads}")
+        _check((self.hidden_size // self.num_heads) % 2 == 0, "model.num_heads",
+               "head dim (hidden_size / num_heads) must be even for RoPE")
+        _check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
+        _check(self.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    #: task families in the suite, by name (see cospec.rl.tasks.FAMILIES)
+    families: tuple[str, ...] = ("copy", "add", "sort", "anagram")
+    #: sampling weight of each family, same order as families (empty = uniform)
+    weights: tuple[float, ...] = ()
+    #: seed of the prompt stream
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(len(self.families) > 0, "task.families", "must name at least one family")
+        _check(len(set(self.families)) == len(self.families), "task.families", "has duplicates")
+        _check(not self.weights or len(self.weights) == len(self.families), "task.weights",
+               f"needs one weight per family ({len(self.families)}), got {len(self.weights)}")
+        _check(all(w >= 0 for w in self.weights) and (not self.weights or sum(self.weights) > 0),
+               "task.weights", "must be non-negative with a positive sum")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingConfig:
+    #: softmax temperature; 0 means greedy (argmax)
+    temperature: float = 1.0
+    #: keep only the k most likely tokens (0 = off)
+    top_k: int = 0
+    #: nucleus sampling: keep the smallest set of tokens whose mass reaches top_p (1.0 = off)
+    top_p: float = 1.0
+    #: longest response in tokens
+    max_new_tokens: int = 64
+    #: rows decoded together (the KV cache's batch size)
+    batch_size: int = 16
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, "sampling.temperature", f"must be >= 0, got {self.temperature}")
+        _check(self.top_k >= 0, "sampling.top_k", f"must be >= 0, got {self.top_k}")
+        _check(0 < self.top_p <= 1, "sampling.top_p", f"must be in (0, 1], got {self.top_p}")
+        _check(self.max_new_tokens > 0, "sampling.max_new_tokens", "must be positive")
+        _check(self.batch_size > 0, "sampling.batch_size", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SFTConfig:
+    #: optimizer steps
+    steps: int = 600
+    #: tokens per packed batch (several examples concatenated)
+    tokens_per_batch: int = 2048
+    #: peak learning rate (AdamW, linear warmup then cosine decay)
+    lr: float = 3e-3
+    #: learning rate at the end of the cosine as a fraction of lr
+    min_lr_ratio: float = 0.1
+    #: warmup steps
+    warmup_steps: int = 30
+    #: AdamW weight decay
+    weight_decay: float = 0.01
+    #: gradient clipping by global norm (0 = off)
+    grad_clip: float = 1.0
+    #: prompts per family in the accuracy evaluation
+    eval_prompts_per_family: int = 64
+    #: torch manual seed
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.steps > 0, "sft.steps", "must be positive")
+        _check(self.tokens_per_batch > 0, "sft.tokens_per_batch", "must be positive")
+        _check(self.lr > 0, "sft.lr", f"must be positive, got {self.lr}")
+        _check(0 <= self.min_lr_ratio <= 1, "sft.min_lr_ratio", "must be in [0, 1]")
+        _check(0 <= self.warmup_steps <= self.steps, "sft.warmup_steps", "must be in [0, sft.steps]")
+        _check(self.weight_decay >= 0, "sft.weight_decay", "must be >= 0")
+        _check(self.grad_clip >= 0, "sft.grad_clip", "must be >= 0")
+        _check(self.eval_prompts_per_family > 0, "sft.eval_prompts_per_family", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    #: where checkpoints, logs and reports go
+    out_dir: str = "runs/default"
+    #: "auto" (cuda if available, else cpu), "cpu" or "cuda"
+    device: str = "auto"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
+               "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ----------------------------------------------------------------------------- building and parsing
+
+def _coerce(value: Any, tp: Any, name: str) -> Any:
+    """Coerce a parsed YAML/TOML/JSON value to the declared field type, or raise naming the field."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        _check(isinstance(value, dict), name, f"expected a table of fields, got {value!r}")
+        return _build(tp, value, name)
+    if origin in (tuple, list):
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        _check(isinstance(value, (list, tuple)), name, f"expected a list, got {value!r}")
+        (item_tp, *_rest) = typing.get_args(tp) or (Any,)
+        return tuple(_coerce(v, item_tp, f"{name}[{i}]") for i, v in enumerate(value))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(value, args[0], name)
+    if tp is bool:
+        _check(isinstance(value, bool), name, f"expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), name,
+               f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                pass
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), name,
+               f"expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        _check(isinstance(value, (str, int, float)) and not isinstance(value, bool), name,
+               f"expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str = "") -> Any:
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in data.items():
+        dotted = f"{prefix}.{key}" if prefix else key
+        if key not in names:
+            raise ConfigError(f"{dotted}: unknown field (known: {', '.join(sorted(names))})")
+        kwargs[key] = _coerce(value, hints[key], dotted)
+    return cls(**kwargs)
+
+
+def _nested_update(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in patch.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _nested_update(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"model.num_layers=4"`` -> ``{"model": {"num_layers": 4}}`` (value parsed as a YAML scalar)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r}: expected key.sub=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {text!r}: empty key")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.split(".")
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+    node[parts[-1]] = value
+    return out
+
+
+def load_file(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path}: not found")
+    text = path.read_text()
+    if path.suffix == ".toml":
+        return tomllib.loads(text)
+    if path.suffix == ".json":
+        return json.loads(text)
+    return yaml.safe_load(text) or {}
+
+
+def apply(cfg: RunConfig, data: dict[str, Any]) -> RunConfig:
+    """A new config: `cfg` with the nested `data` laid over it, validated."""
+    return _build(RunConfig, _nested_update(dataclasses.asdict(cfg), data))
+
+
+def resolve(recipe: str = "default", config_file: str | None = None,
+            overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Recipe, then file, then command-line overrides, each laid over the previous."""
+    if recipe not in RECIPES:
+        raise ConfigError(f"recipe: unknown {recipe!r} (known: {', '.join(RECIPES)})")
+    cfg = RECIPES[recipe]()
+    if config_file:
+        cfg = apply(cfg, load_file(config_file))
+    for o in overrides:
+        cfg = apply(cfg, parse_override(o))
+    return cfg
+
+
+def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted name, default, doc) for every field, read from the ``#:`` comments above them."""
+    import inspect
+
+    docs: dict[str, str] = {}
+    try:
+        lines = inspect.getsource(cls).splitlines()
+    except OSError:
+        lines = []
+    pending = ""
+    for line in lines:
+        s = line.strip()
+        if s.startswith("#:"):
+            pending = s[2:].strip()
+        elif ":" in s and pending:
+            docs[s.split(":", 1)[0].strip()] = pending
+            pending = ""
+    rows = []
+    default = cls()
+    for f in dataclasses.fields(cls):
+        dotted = f"{prefix}{f.name}"
+        v = getattr(default, f.name)
+        if dataclasses.is_dataclass(v):
+            rows.extend(describe(type(v), dotted + "."))
+        else:
+            rows.append((dotted, repr(v), docs.get(f.name, "")))
+    return rows
+
+
+# ----------------------------------------------------------------------------- named recipes
+
+def base() -> RunConfig:
+    """The embedded default: a ~5M parameter policy on the four-family suite, CPU-sized."""
+    return RunConfig()
+
+
+def tiny() -> RunConfig:
+    """For tests and smoke runs: a very small model and a few steps."""
+    cfg = base()
+    return apply(cfg, {
+        "out_dir": "runs/tiny",
+        "model": {"hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+                  "intermediate_size": 128, "max_seq_len": 128},
+        "sampling": {"max_new_tokens": 32, "batch_size": 8},
+        "sft": {"steps": 20, "tokens_per_batch": 512, "warmup_steps": 2,
+                "eval_prompts_per_family": 8},
+    })
+
+
+RECIPES = {"default": base, "tiny": tiny}

@@ -1,0 +1,79 @@
+"""The attention seam: one function signature that every attention implementation serves.
+
+# B batch, T query tokens, S key tokens, H query heads, Hkv key/value heads, D head dim
+
+The policy calls ``attn_fn(q_BHTD, k_BHkvSD, v_BHkvSD, layout)`` and gets ``out_BHTD`` back. The
+`AttentionLayout` says which keys each query may see, in the form each implementation needs:
+
+- packed training: ``cu_seqlens`` (sequence boundaries in the packed row); attention is causal within
+  a sequence and never crosses one. A ring (context parallel) implementation reads ``cu_seqlens``
+  and ignores ``mask``.
+- KV-cache decoding / verification: ``mask`` only (key slot j is visible to query i of row b when
+  j <= cache_length_b + i), built once per forward by the model and shared across layers.
+
+Grouped-query attention is handled by the implementation (here SDPA's ``enable_gqa``), so the K/V
+heads never get materialised H/Hkv times.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class AttentionLayout:
+    """Visibility of keys for the queries of one forward (shared by all layers).
+
+    mask: bool [B or 1, 1, T, S], True where query t may attend key s; None only for packed input,
+        where an implementation may build its own mask from cu_seqlens.
+    cu_seqlens: int [N+1] cumulative sequence lengths of a packed row (B == 1), else None.
+        Example: sequences of length 3 and 2 packed -> cu_seqlens = [0, 3, 5].
+    """
+
+    mask: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+
+
+class AttentionFn(Protocol):
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor: ...
+
+
+def packed_causal_mask(cu_seqlens: Tensor, total: int) -> Tensor:
+    """bool [1, 1, T, T]: causal within each packed sequence, nothing across sequences.
+
+    Tokens past cu_seqlens[-1] (padding) form their own causal block so no row is empty (an
+    all-False softmax row would be NaN).
+    """
+    device = cu_seqlens.device
+    idx = torch.arange(total, device=device)
+    seq_id = torch.bucketize(idx, cu_seqlens[1:], right=True)  # [T], padding gets id N
+    same = seq_id[:, None] == seq_id[None, :]
+    causal = idx[:, None] >= idx[None, :]
+    return (same & causal)[None, None]
+
+
+def cache_mask(lengths_B: Tensor, num_new: int, capacity: int) -> Tensor:
+    """bool [B, 1, T, S]: query i of row b sees cache slots j <= lengths_b + i."""
+    device = lengths_B.device
+    limit_BT = lengths_B[:, None] + torch.arange(num_new, device=device)[None, :]
+    slots = torch.arange(capacity, device=device)
+    return (slots[None, None, :] <= limit_BT[:, :, None])[:, None]
+
+
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
+    """Reference implementation on torch's scaled_dot_product_attention (CPU and CUDA)."""
+    mask = layout.mask
+    if mask is None:
+        if layout.cu_seqlens is None:
+            raise ValueError("attention layout needs a mask or cu_seqlens")
+        mask = packed_causal_mask(layout.cu_seqlens, q.shape[-2])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                          enable_gqa=q.shape[1] != k.shape[1])
+
+
+AttentionCallable = Callable[[Tensor, Tensor, Tensor, AttentionLayout], Tensor]

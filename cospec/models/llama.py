@@ -1,0 +1,224 @@
+"""A Llama-family decoder (Llama, Qwen2) in plain single-device PyTorch.
+
+# B batch, T tokens, S key slots, H heads, Hkv kv heads, D head dim, C hidden size, V vocab
+
+One `forward` serves three uses:
+1. packed training: ``tokens_BT`` with B == 1 and ``cu_seqlens``; positions restart at every
+   sequence and attention never crosses a boundary;
+2. incremental decoding with a `KVCache` whose rows have their own lengths;
+3. scoring T > 1 new tokens per row against the cache in one call (speculative verification).
+It can also return hidden states of ``tap_layers`` (output of those decoder layers, 0-based) from the
+same pass.
+
+Module names follow HF's checkpoint names less the ``model.`` prefix (``layers.3.self_attn.q_proj``),
+and layers live in a ``ModuleDict`` keyed by their global index, so a pipeline stage can drop layers
+(and the embedding or head) and still load the checkpoint's names. Parallelism is applied from
+``cospec/parallel`` through the ``attn_fn`` seam; nothing here knows about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from cospec.config import ModelConfig
+from cospec.models.attention import AttentionCallable, AttentionLayout, cache_mask, sdpa_attention
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * w, computed in fp32 (Zhang & Sennrich 2019; HF Llama's numerics)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin [B, 1, T, D] for rotary embedding (Su et al. 2104.09864), HF's half-split layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device,
+                                             dtype=torch.float32) / head_dim))
+    freqs = positions_BT.float()[..., None] * inv_freq  # [B, T, D/2]
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x_BHTD.shape[-1] // 2
+    rotated = torch.cat([-x_BHTD[..., half:], x_BHTD[..., :half]], dim=-1)
+    return (x_BHTD * cos + rotated * sin).to(x_BHTD.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.layer_id = layer_id
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x_BTC: Tensor, cos: Tensor, sin: Tensor, ctx: "ForwardContext") -> Tensor:
+        B, T, _ = x_BTC.shape
+        q = self.q_proj(x_BTC).view(B, T, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x_BTC).view(B, T, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if ctx.kv_cache is not None:
+            k, v = ctx.kv_cache.update(self.layer_id, k, v, ctx.cache_rows, ctx.cache_used)
+        out = ctx.attn_fn(q, k, v, ctx.layout)  # [B, H, T, D]
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    """SwiGLU (Shazeer 2002.05202): down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, ctx: "ForwardContext") -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+@dataclass
+class ForwardContext:
+    """What every layer of one forward shares (built once in `Transformer.forward`)."""
+
+    layout: AttentionLayout
+    attn_fn: AttentionCallable
+    kv_cache: object | None = None
+    cache_rows: Tensor | None = None
+    cache_used: int = 0
+
+
+@dataclass
+class ModelOutput:
+    """logits: [B, T, V] (None when the stage has no head); hidden: final hidden before the norm
+    [B, T, C]; taps: {layer id: [B, T, C]} outputs of the requested decoder layers."""
+
+    logits: Tensor | None
+    hidden: Tensor
+    taps: dict[int, Tensor] = field(default_factory=dict)
+
+
+def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:
+    """[T] position of every packed token within its own sequence (restarts at each boundary)."""
+    idx = torch.arange(total, device=cu_seqlens.device)
+    seq_id = torch.bucketize(idx, cu_seqlens[1:], right=True).clamp(max=len(cu_seqlens) - 2)
+    return idx - cu_seqlens[seq_id]
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, *, layer_ids: list[int] | None = None,
+                 has_embedding: bool = True, has_head: bool = True,
+                 attn_fn: AttentionCallable = sdpa_attention):
+        super().__init__()
+        self.config = cfg
+        self.attn_fn = attn_fn
+        ids = range(cfg.num_layers) if layer_ids is None else layer_ids
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if has_embedding else None
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if has_head else None
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if has_head else None
+        self.reset_parameters()
+        if cfg.tie_embeddings and has_embedding and has_head:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def reset_parameters(self, std: float = 0.02) -> None:
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=std)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+    def forward(self, tokens_BT: Tensor | None = None, *, inputs_embeds: Tensor | None = None,
+                cu_seqlens: Tensor | None = None, positions_BT: Tensor | None = None,
+                kv_cache=None, cache_rows: Tensor | None = None, num_valid_B: Tensor | None = None,
+                tap_layers: tuple[int, ...] | list[int] = (), detach_taps: bool = True,
+                attn_fn: AttentionCallable | None = None) -> ModelOutput:
+        """Run the layers this module holds.
+
+        tokens_BT: token ids (or ``inputs_embeds`` [B, T, C] on a stage without the embedding).
+        cu_seqlens: int [N+1] for a packed row (B must be 1): see `AttentionLayout`.
+        positions_BT: RoPE positions; derived when None (packed: restart per sequence; cache:
+            cache length + offset; else 0..T-1).
+        kv_cache: a `KVCache`; the call writes T tokens per addressed row at its current length and
+            advances it by ``num_valid_B`` (default T). cache_rows: int [B] rows of the cache this
+            call addresses (default all, in order).
+        tap_layers: decoder layer ids whose outputs to return in ``taps`` (detached by default).
+        """
+        x = self.embed_tokens(tokens_BT) if inputs_embeds is None else inputs_embeds
+        B, T, _ = x.shape
+        device = x.device
+        if kv_cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("packed input (cu_seqlens) cannot be combined with a KV cache")
+            kv_cache.check_room(T, cache_rows)  # device sync: also gives the used length below
+            lengths = kv_cache.lengths_B if cache_rows is None else kv_cache.lengths_B[cache_rows]
+            used = int(lengths.max()) + T
+            if positions_BT is None:
+                positions_BT = lengths[:, None] + torch.arange(T, device=device)[None, :]
+            # Only the first `used` slots can be visible: attending past them would be wasted work.
+            layout = AttentionLayout(mask=cache_mask(lengths, T, used))
+        elif cu_seqlens is not None:
+            if B != 1:
+                raise ValueError(f"packed input must have batch size 1, got tokens of shape {tuple(x.shape[:2])}")
+            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+            if positions_BT is None:
+                positions_BT = packed_positions(cu_seqlens, T)[None]
+            layout = AttentionLayout(cu_seqlens=cu_seqlens)
+            used = 0
+        else:
+            if positions_BT is None:
+                positions_BT = torch.arange(T, device=device)[None].expand(B, T)
+            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+            layout = AttentionLayout(mask=causal)
+            used = 0
+        if T > self.config.max_seq_len and kv_cache is None:
+            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+        ctx = ForwardContext(layout=layout, attn_fn=attn_fn or self.attn_fn, kv_cache=kv_cache,
+                             cache_rows=cache_rows, cache_used=used)
+        cos, sin = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        wanted = set(tap_layers)
+        unknown = wanted - {int(i) for i in self.layers.keys()}
+        if unknown:
+            raise ValueError(f"tap_layers {sorted(unknown)} are not layers of this model/stage")
+        taps: dict[int, Tensor] = {}
+        for lid, layer in self.layers.items():
+            x = layer(x, cos, sin, ctx)
+            if int(lid) in wanted:
+                taps[int(lid)] = x.detach() if detach_taps else x
+        if kv_cache is not None:
+            kv_cache.advance(T if num_valid_B is None else num_valid_B, cache_rows)
+        logits = self.lm_head(self.norm(x)) if self.lm_head is not None else None
+        return ModelOutput(logits=logits, hidden=x, taps=taps)

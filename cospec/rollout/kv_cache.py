@@ -1,0 +1,84 @@
+"""Static-shape KV cache whose rows keep their own lengths (a ragged batch).
+
+# L layers, B rows, Hkv key/value heads, S capacity (slots), D head dim, T new tokens
+
+Buffers are allocated once (``k_LBHSD``, ``v_LBHSD``) and registered, so ``.to(device)`` moves them
+and no step allocates. ``lengths_B[b]`` is the number of valid slots of row b; slots past it hold
+stale values that the attention mask hides, so rolling a row back (speculative rejection) is just
+lowering its length: `truncate`.
+
+A forward with the cache writes the T new tokens of each row at slots lengths_b .. lengths_b+T-1 of
+every layer, then `advance` adds each row's count of *valid* new tokens (a right-padded prefill of
+rows with different prompt lengths passes ``num_valid_B``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+
+class KVCache(nn.Module):
+    def __init__(self, *, num_layers: int, batch_size: int, num_kv_heads: int, head_dim: int,
+                 capacity: int, layer_ids: list[int] | None = None,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None):
+        super().__init__()
+        self.capacity = capacity
+        self.batch_size = batch_size
+        # A pipeline stage holds a subset of layers: map the global layer id to its buffer index.
+        ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
+        assert len(ids) == num_layers, "layer_ids must name one id per cached layer"
+        self.slot_of_layer = {lid: i for i, lid in enumerate(ids)}
+        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
+        self.register_buffer("k_LBHSD", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_LBHSD", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("lengths_B", torch.zeros(batch_size, dtype=torch.long, device=device),
+                             persistent=False)
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, capacity: int | None = None) -> "KVCache":
+        cfg = model.config
+        p = next(model.parameters())
+        return cls(num_layers=len(model.layers), batch_size=batch_size,
+                   num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                   capacity=capacity or cfg.max_seq_len,
+                   layer_ids=[int(i) for i in model.layers.keys()], dtype=p.dtype, device=p.device)
+
+    def _rows(self, rows: Tensor | None) -> Tensor:
+        if rows is None:
+            return torch.arange(self.batch_size, device=self.lengths_B.device)
+        return rows
+
+    def check_room(self, num_new: int, rows: Tensor | None = None) -> None:
+        """Raise ValueError if writing num_new tokens would overflow any addressed row."""
+        longest = int(self.lengths_B[self._rows(rows)].max()) + num_new  # device sync
+        if longest > self.capacity:
+            raise ValueError(f"KV cache overflow: a row would reach {longest} tokens, capacity is "
+                             f"{self.capacity} (model.max_seq_len)")
+
+    def update(self, layer_id: int, k_BHTD: Tensor, v_BHTD: Tensor, rows: Tensor | None,
+               used: int) -> tuple[Tensor, Tensor]:
+        """Write the new keys/values of `rows` and return their cache view [B, Hkv, used, D]."""
+        slot = self.slot_of_layer[layer_id]
+        num_new = k_BHTD.shape[2]
+        r = self._rows(rows)
+        pos_BT = self.lengths_B[r][:, None] + torch.arange(num_new, device=r.device)[None, :]
+        # Advanced indexing on (row, slot) puts those dims first: the value is [B, T, Hkv, D].
+        self.k_LBHSD[slot, r[:, None], :, pos_BT] = k_BHTD.transpose(1, 2).to(self.k_LBHSD.dtype)
+        self.v_LBHSD[slot, r[:, None], :, pos_BT] = v_BHTD.transpose(1, 2).to(self.v_LBHSD.dtype)
+        if rows is None:  # a view, no copy: the decode hot path
+            return self.k_LBHSD[slot, :, :, :used], self.v_LBHSD[slot, :, :, :used]
+        return self.k_LBHSD[slot, r, :, :used], self.v_LBHSD[slot, r, :, :used]
+
+    def advance(self, num_valid_B: Tensor | int, rows: Tensor | None = None) -> None:
+        r = self._rows(rows)
+        self.lengths_B[r] += num_valid_B
+
+    def truncate(self, new_lengths_B: Tensor, rows: Tensor | None = None) -> None:
+        """Roll rows back to `new_lengths_B` (never forward: stale slots are not valid)."""
+        r = self._rows(rows)
+        assert bool((new_lengths_B <= self.lengths_B[r]).all()), "truncate cannot grow a row"
+        self.lengths_B[r] = new_lengths_B
+
+    def reset(self, rows: Tensor | None = None) -> None:
+        self.lengths_B[self._rows(rows)] = 0
