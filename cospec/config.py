@@ -36,7 +36,7 @@ def _check(cond: bool, name: str, msg: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
     #: vocabulary size; must equal the tokenizer's for the task suite
-    vocab_size: int = 64
+    vocab_size: int = 50
     #: model width (residual stream size)
     hidden_size: int = 256
     #: number of decoder layers
