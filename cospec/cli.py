@@ -1,0 +1,162 @@
+"""`cospec <command>`: the command line.
+
+Every command takes ``--recipe NAME``, ``--config FILE`` (YAML/TOML/JSON) and any number of
+``section.field=value`` overrides, applied in that order. ``cospec config`` prints every field with
+its default and doc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+import torch
+
+from cospec import config as config_mod
+from cospec.config import ConfigError, RunConfig
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def _config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipe", default="default", help=f"named recipe ({', '.join(config_mod.RECIPES)})")
+    p.add_argument("--config", dest="config_file", help="YAML/TOML/JSON file laid over the recipe")
+    p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, applied last")
+
+
+def _resolve(args) -> RunConfig:
+    return config_mod.resolve(args.recipe, args.config_file, args.overrides)
+
+
+def cmd_config(args) -> int:
+    cfg = _resolve(args)
+    print(json.dumps(cfg.to_dict(), indent=2))
+    if args.describe:
+        for name, default, doc in config_mod.describe():
+            print(f"{name:32s} {default:>24s}  {doc}")
+    return 0
+
+
+def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = False):
+    """Reuse out_dir/sft when its model config matches, else train and save it. Returns (model, metrics)."""
+    from cospec.models.hf_checkpoint import load_hf
+    from cospec.sft import save_sft, train_sft
+
+    out = Path(cfg.out_dir)
+    ckpt, metrics_path = out / "sft", out / "sft_metrics.json"
+    if not force and ckpt.exists() and metrics_path.exists():
+        model = load_hf(ckpt, device=device)
+        if model.config == cfg.model:
+            print(f"reusing SFT checkpoint {ckpt}")
+            return model.eval(), json.loads(metrics_path.read_text())
+        print(f"SFT checkpoint {ckpt} has a different model config: retraining")
+    model, metrics = train_sft(cfg, device=device)
+    save_sft(model, metrics, cfg, out)
+    print(f"saved SFT checkpoint to {ckpt}")
+    return model, metrics
+
+
+def _print_accuracy(metrics: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"SFT: {metrics['num_params'] / 1e6:.2f}M params, {metrics['steps']} steps, "
+                    f"{metrics['train_seconds']:.0f}s train, final loss {metrics['final_loss']:.3f}")
+    t.add_column("family")
+    t.add_column("greedy accuracy", justify="right")
+    for k, v in metrics["accuracy"].items():
+        t.add_row(k, f"{v:.1%}")
+    Console().print(t)
+
+
+def cmd_sft(args) -> int:
+    cfg = _resolve(args)
+    device = pick_device(cfg.device)
+    _, metrics = load_or_train_sft(cfg, device, force=True)
+    _print_accuracy(metrics)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    """The main job (for now): SFT, then sample a few answers and show per-family accuracy."""
+    from cospec.rl.tasks import TaskSuite
+    from cospec.rl.tokenizer import CharTokenizer
+    from cospec.rollout.engine import GenerationEngine
+
+    cfg = _resolve(args)
+    device = pick_device(cfg.device)
+    model, metrics = load_or_train_sft(cfg, device)
+    _print_accuracy(metrics)
+    suite, tok = TaskSuite(cfg.task), CharTokenizer()
+    rng = random.Random(999)
+    examples = [suite.sample_family(f.name, rng) for f in suite.families for _ in range(2)]
+    engine = GenerationEngine(model, batch_size=cfg.sampling.batch_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    result = engine.generate([suite.encode_prompt(e, tok) for e in examples], cfg.sampling,
+                             generator=gen)
+    print(f"\nsampled answers (temperature {cfg.sampling.temperature}):")
+    for ex, c in zip(examples, result.completions):
+        resp = tok.decode(c.tokens)
+        mark = "ok " if suite.reward(ex, resp) == 1.0 else "bad"
+        print(f"  [{mark}] {ex.prompt!r:48s} -> {resp!r}")
+    print(f"\n{result.num_tokens} tokens in {result.seconds:.2f}s "
+          f"({result.tokens_per_second:.0f} tok/s, {result.num_forwards} policy forwards)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from cospec.bench import generation
+
+    if args.what == "generation":
+        cfg = _resolve(args)
+        rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+                                  json_path=args.json)
+        return 0 if rows else 1
+    raise ConfigError(f"bench: unknown benchmark {args.what!r}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="cospec", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("config", help="print the resolved config")
+    _config_args(c)
+    c.add_argument("--describe", action="store_true", help="also list every field with its doc")
+    c.set_defaults(fn=cmd_config)
+    s = sub.add_parser("sft", help="supervised fine-tuning of the policy on the task suite")
+    _config_args(s)
+    s.set_defaults(fn=cmd_sft)
+    d = sub.add_parser("demo", help="the main job on the embedded default config")
+    _config_args(d)
+    d.set_defaults(fn=cmd_demo)
+    b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
+    b.add_argument("what", choices=["generation"])
+    b.add_argument("--batch-sizes", default="1,16,64")
+    b.add_argument("--json", help="also write the rows as JSON to this path")
+    _config_args(b)
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except ConfigError as e:
+        print(f"cospec: config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("cospec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

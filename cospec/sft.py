@@ -1,0 +1,167 @@
+"""Supervised fine-tuning of the policy on the task suite: packed batches, AdamW, cosine schedule.
+
+The SFT policy is the starting point of RL (and the source of the initial draft's training data), so
+it is meant to reach *partial* accuracy: high enough that GRPO gets signal, low enough that RL has
+room to raise reward and move the distribution.
+
+Loss: next-token cross-entropy on the answer and EOS tokens only (the prompt is given, not learned),
+averaged over those tokens. Sequences are packed into one row with `cu_seqlens`, so no compute is
+spent on padding and attention never crosses an example boundary.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cospec.config import RunConfig, SamplingConfig
+from cospec.metrics.progress import progress_bar
+from cospec.models.llama import Transformer
+from cospec.rl.tasks import Example, TaskSuite
+from cospec.rl.tokenizer import CharTokenizer, check_vocab
+from cospec.rollout.engine import GenerationEngine
+
+
+@dataclass
+class PackedBatch:
+    """One packed row of several examples.
+
+    tokens: [1, T] inputs; targets: [1, T] next tokens; loss_mask: [1, T] 1.0 where the target is an
+    answer/EOS token; cu_seqlens: [N+1]. Targets never cross a boundary: each example contributes
+    its ids[:-1] as inputs and ids[1:] as targets.
+    Example: examples of ids [1,5,6,2] (mask 0,0,1,1) and [1,7,2] (mask 0,0,1) pack to
+    tokens [1,5,6, 1,7], targets [5,6,2, 7,2], loss_mask [0,1,1, 0,1], cu_seqlens [0,3,5].
+    """
+
+    tokens: Tensor
+    targets: Tensor
+    loss_mask: Tensor
+    cu_seqlens: Tensor
+
+
+def pack_examples(encoded: list[tuple[list[int], list[int]]]) -> PackedBatch:
+    inputs, targets, mask, cu = [], [], [], [0]
+    for ids, m in encoded:
+        inputs += ids[:-1]
+        targets += ids[1:]
+        mask += m[1:]
+        cu.append(len(inputs))
+    return PackedBatch(tokens=torch.tensor([inputs]), targets=torch.tensor([targets]),
+                       loss_mask=torch.tensor([mask], dtype=torch.float32),
+                       cu_seqlens=torch.tensor(cu))
+
+
+def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_per_batch: int) -> PackedBatch:
+    """Draw examples until the next one would overflow the token budget (at least one example)."""
+    encoded, used = [], 0
+    while True:
+        ids, m = suite.encode_sft(suite.sample(rng), tok)
+        if encoded and used + len(ids) - 1 > tokens_per_batch:
+            break
+        encoded.append((ids, m))
+        used += len(ids) - 1
+    return pack_examples(encoded)
+
+
+def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to lr, then cosine decay to min_ratio * lr at `total`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def sft_loss(model: Transformer, batch: PackedBatch) -> Tensor:
+    logits = model(batch.tokens, cu_seqlens=batch.cu_seqlens).logits
+    nll = F.cross_entropy(logits.flatten(0, 1), batch.targets.flatten(), reduction="none")
+    m = batch.loss_mask.flatten()
+    return (nll * m).sum() / m.sum().clamp(min=1)
+
+
+def evaluate(model: Transformer, suite: TaskSuite, tok: CharTokenizer, *, prompts_per_family: int,
+             max_new_tokens: int, batch_size: int, seed: int = 12345) -> dict[str, float]:
+    """Greedy accuracy per family on a held-out prompt stream (a seed the training stream never uses)."""
+    rng = random.Random(seed)
+    examples: list[Example] = [suite.sample_family(f.name, rng)
+                               for f in suite.families for _ in range(prompts_per_family)]
+    engine = GenerationEngine(model, batch_size=batch_size)
+    result = engine.generate([suite.encode_prompt(e, tok) for e in examples],
+                             SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
+                                            batch_size=batch_size))
+    per_family: dict[str, list[float]] = {}
+    for ex, c in zip(examples, result.completions):
+        per_family.setdefault(ex.family, []).append(suite.reward(ex, tok.decode(c.tokens)))
+    acc = {k: sum(v) / len(v) for k, v in per_family.items()}
+    acc["mean"] = sum(acc.values()) / len(acc)
+    return acc
+
+
+def train_sft(cfg: RunConfig, *, device: torch.device, progress: bool = True,
+              model: Transformer | None = None) -> tuple[Transformer, dict]:
+    """Train (a fresh policy unless `model` is given) and return it with its metrics."""
+    tok = CharTokenizer()
+    check_vocab(cfg.model.vocab_size, tok)
+    torch.manual_seed(cfg.sft.seed)
+    model = (model or Transformer(cfg.model)).to(device).train()
+    suite = TaskSuite(cfg.task)
+    rng = random.Random(cfg.task.seed)
+    s = cfg.sft
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": s.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=s.lr, betas=(0.9, 0.95))
+    history = []
+    t0 = time.perf_counter()
+    with progress_bar(progress, s.steps, "sft") as advance:
+        for step in range(s.steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, lr=s.lr, warmup=s.warmup_steps, total=s.steps,
+                                min_ratio=s.min_lr_ratio)
+            batch = next_batch(suite, tok, rng, s.tokens_per_batch)
+            batch = PackedBatch(*(t.to(device) for t in (batch.tokens, batch.targets,
+                                                          batch.loss_mask, batch.cu_seqlens)))
+            loss = sft_loss(model, batch)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if s.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), s.grad_clip)
+            opt.step()
+            history.append(loss.item())
+            advance(f"loss {history[-1]:.3f}")
+    train_seconds = time.perf_counter() - t0
+    model.eval()
+    t1 = time.perf_counter()
+    acc = evaluate(model, suite, tok, prompts_per_family=s.eval_prompts_per_family,
+                   max_new_tokens=cfg.sampling.max_new_tokens, batch_size=cfg.sampling.batch_size)
+    metrics = {"final_loss": sum(history[-20:]) / len(history[-20:]), "loss_history": history,
+               "accuracy": acc, "train_seconds": train_seconds,
+               "eval_seconds": time.perf_counter() - t1, "num_params": model.num_params(),
+               "steps": s.steps}
+    return model, metrics
+
+
+def save_sft(model: Transformer, metrics: dict, cfg: RunConfig, out_dir: str | Path) -> Path:
+    """HF-layout checkpoint at out_dir/sft (atomic) plus metrics and the config beside it."""
+    from cospec.models.hf_checkpoint import save_hf
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    ckpt = out / "sft"
+    save_hf(model, ckpt)
+    _write_json_atomic(out / "sft_metrics.json", metrics)
+    _write_json_atomic(out / "config.json", cfg.to_dict())
+    return ckpt
+
+
+def _write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2))
+    tmp.replace(path)

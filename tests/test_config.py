@@ -1,0 +1,70 @@
+"""Config: recipes, file loading, command-line overrides, and errors that name the field."""
+
+import pytest
+
+from cospec.config import ConfigError, ModelConfig, RunConfig, apply, describe, parse_override, resolve
+
+
+def test_default_recipe_is_the_embedded_default():
+    assert resolve() == RunConfig()
+
+
+def test_overrides_reach_nested_fields_and_are_typed():
+    cfg = resolve("tiny", overrides=["model.num_layers=3", "sampling.temperature=0.5",
+                                     "task.families=copy,add", "model.qkv_bias=true"])
+    assert cfg.model.num_layers == 3
+    assert cfg.sampling.temperature == 0.5
+    assert cfg.task.families == ("copy", "add")
+    assert cfg.model.qkv_bias is True
+    # the rest of the tiny recipe is kept
+    assert cfg.model.hidden_size == 64
+
+
+def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
+    y = tmp_path / "run.yaml"
+    y.write_text("model:\n  num_layers: 5\nsft:\n  lr: 1.0e-3\n")
+    t = tmp_path / "run.toml"
+    t.write_text("[model]\nnum_layers = 7\n")
+    assert resolve(config_file=str(y)).model.num_layers == 5
+    assert resolve(config_file=str(y)).sft.lr == 1e-3
+    # command-line overrides win over the file
+    assert resolve(config_file=str(t), overrides=["model.num_layers=2"]).model.num_layers == 2
+
+
+@pytest.mark.parametrize("override, field", [
+    ("model.num_heads=5", "model.num_heads"),
+    ("model.num_kv_heads=3", "model.num_kv_heads"),
+    ("sampling.top_p=1.5", "sampling.top_p"),
+    ("sampling.temperature=-1", "sampling.temperature"),
+    ("sft.steps=0", "sft.steps"),
+    ("model.num_layers=two", "model.num_layers"),
+    ("model.no_such_field=1", "model.no_such_field"),
+    ("task.families=copy,nope_family_is_checked_by_the_suite,copy", "task.families"),
+    ("device=tpu", "device"),
+])
+def test_invalid_values_raise_an_error_naming_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        resolve(overrides=[override])
+
+
+def test_configs_are_frozen():
+    with pytest.raises(Exception):
+        ModelConfig().num_layers = 3  # type: ignore[misc]
+
+
+def test_override_syntax_errors_are_clear():
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        parse_override("model.num_layers")
+    with pytest.raises(ConfigError, match="unknown"):
+        resolve("no_such_recipe")
+
+
+def test_every_field_is_documented():
+    undocumented = [name for name, _, doc in describe() if not doc and name not in
+                    ("model", "task", "sampling", "sft")]
+    assert undocumented == []
+
+
+def test_apply_round_trips_through_dict():
+    cfg = resolve("tiny")
+    assert apply(RunConfig(), cfg.to_dict()) == cfg
