@@ -79,7 +79,7 @@ class ModelConfig:
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     #: task families in the suite, by name (see cospec.rl.tasks.FAMILIES)
-    families: tuple[str, ...] = ("copy", "add", "sort", "anagram")
+    families: tuple[str, ...] = ("copy", "add", "sort", "perm")
     #: sampling weight of each family, same order as families (empty = uniform)
     weights: tuple[float, ...] = ()
     #: seed of the prompt stream
