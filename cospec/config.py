@@ -278,9 +278,12 @@ def resolve(recipe: str = "default", config_file: str | None = None,
     cfg = RECIPES[recipe]()
     if config_file:
         cfg = apply(cfg, load_file(config_file))
+    # All overrides are merged first and validated once, so cross-field checks see the final values
+    # (sft.steps=10 sft.warmup_steps=2 must not fail on the intermediate steps=10, warmup=30).
+    merged: dict[str, Any] = {}
     for o in overrides:
-        cfg = apply(cfg, parse_override(o))
-    return cfg
+        merged = _nested_update(merged, parse_override(o))
+    return apply(cfg, merged) if merged else cfg
 
 
 def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, str]]:

@@ -68,3 +68,8 @@ def test_every_field_is_documented():
 def test_apply_round_trips_through_dict():
     cfg = resolve("tiny")
     assert apply(RunConfig(), cfg.to_dict()) == cfg
+
+
+def test_cross_field_checks_see_all_overrides_together():
+    cfg = resolve(overrides=["sft.steps=10", "sft.warmup_steps=2"])
+    assert (cfg.sft.steps, cfg.sft.warmup_steps) == (10, 2)

@@ -17,7 +17,7 @@ heads never get materialised H/Hkv times.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
@@ -37,6 +37,23 @@ class AttentionLayout:
 
     mask: Tensor | None = None
     cu_seqlens: Tensor | None = None
+    _memo: dict = field(default_factory=dict, repr=False)
+
+    def padded_index(self) -> tuple[Tensor, Tensor, int]:
+        """For packed input: (gather_NL, scatter_T, L), computed once per forward and shared by all
+        layers. gather_NL[n, l] is the packed index of token l of sequence n (clamped past its end);
+        scatter_T[t] is where packed token t sits in the flattened [N * L] padded layout."""
+        if "padded" not in self._memo:
+            cu = self.cu_seqlens
+            lens = cu[1:] - cu[:-1]
+            L = int(lens.max())  # device sync, once per forward
+            offs = torch.arange(L, device=cu.device)
+            gather_NL = torch.minimum(cu[:-1, None] + offs[None, :], (cu[1:] - 1).clamp(min=0)[:, None])
+            total = int(cu[-1])
+            t = torch.arange(total, device=cu.device)
+            seq = torch.bucketize(t, cu[1:], right=True)
+            self._memo["padded"] = (gather_NL, seq * L + (t - cu[seq]), L)
+        return self._memo["padded"]
 
 
 class AttentionFn(Protocol):
@@ -67,13 +84,24 @@ def cache_mask(lengths_B: Tensor, num_new: int, capacity: int) -> Tensor:
 
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
     """Reference implementation on torch's scaled_dot_product_attention (CPU and CUDA)."""
-    mask = layout.mask
-    if mask is None:
-        if layout.cu_seqlens is None:
-            raise ValueError("attention layout needs a mask or cu_seqlens")
-        mask = packed_causal_mask(layout.cu_seqlens, q.shape[-2])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
-                                          enable_gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if layout.mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=gqa)
+    if layout.cu_seqlens is None:
+        raise ValueError("attention layout needs a mask or cu_seqlens")
+    # Packed: unpack to a padded [N, H, L, D] batch and run plain causal attention, O(N L^2) instead
+    # of the O(T^2) of a block-diagonal mask over the packed row (T = N * mean length). Padding sits
+    # after each sequence's last token, so the causal mask alone keeps valid queries off it.
+    gather_NL, scatter_T, L = layout.padded_index()
+    N = gather_NL.shape[0]
+
+    def unpack(x_1HTD: Tensor) -> Tensor:
+        return x_1HTD[0][:, gather_NL].transpose(0, 1)  # [H, N, L, D] -> [N, H, L, D]
+
+    out_NHLD = F.scaled_dot_product_attention(unpack(q), unpack(k), unpack(v), is_causal=True,
+                                              enable_gqa=gqa)
+    out_HTD = out_NHLD.transpose(0, 1).reshape(q.shape[1], N * L, -1)[:, scatter_T]
+    return out_HTD[None]
 
 
 AttentionCallable = Callable[[Tensor, Tensor, Tensor, AttentionLayout], Tensor]

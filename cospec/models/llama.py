@@ -193,6 +193,9 @@ class Transformer(nn.Module):
             if B != 1:
                 raise ValueError(f"packed input must have batch size 1, got tokens of shape {tuple(x.shape[:2])}")
             cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+            if int(cu_seqlens[-1]) != T or int(cu_seqlens[0]) != 0:
+                raise ValueError(f"cu_seqlens must run from 0 to the packed length {T}, "
+                                 f"got {cu_seqlens.tolist()}")
             if positions_BT is None:
                 positions_BT = packed_positions(cu_seqlens, T)[None]
             layout = AttentionLayout(cu_seqlens=cu_seqlens)
@@ -203,8 +206,12 @@ class Transformer(nn.Module):
             causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
             layout = AttentionLayout(mask=causal)
             used = 0
-        if T > self.config.max_seq_len and kv_cache is None:
-            raise ValueError(f"sequence of {T} tokens exceeds model.max_seq_len={self.config.max_seq_len}")
+        if kv_cache is None:
+            # Packed rows may be longer than max_seq_len; each sequence in them may not.
+            longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+            if longest > self.config.max_seq_len:
+                raise ValueError(f"sequence of {longest} tokens exceeds "
+                                 f"model.max_seq_len={self.config.max_seq_len}")
         ctx = ForwardContext(layout=layout, attn_fn=attn_fn or self.attn_fn, kv_cache=kv_cache,
                              cache_rows=cache_rows, cache_used=used)
         cos, sin = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta)
