@@ -6,8 +6,8 @@ response with an exact check; rewards are in {0, 1} and never come from a model.
 - ``copy``  ("copy:kqzv=" -> "kqzv"): near-deterministic output whose length has a long tail
   (geometric, 1..40 chars). It is what a draft predicts best (acceptance near 1) and what makes
   rollout lengths ragged, i.e. the long tail that continuous batching and speculation target.
-- ``add``   ("add:4821+379=" -> "5200"): deterministic but hard for a small char model (carries
-  over up to 5 digits), so SFT leaves it at partial accuracy and RL has reward to gain.
+- ``add``   ("add:821+379=" -> "1200"): deterministic but hard for a small char model (carries
+  over up to 3 digits), so SFT leaves it at partial accuracy and RL has reward to gain.
 - ``sort``  ("sort:dbxa=" -> "abdx"): deterministic, medium difficulty and medium length; the
   policy must attend over the whole prompt, unlike copy's monotone alignment.
 - ``perm``  ("perm:aabc=" -> any arrangement of a, a, b, c): many valid answers per prompt. SFT
@@ -60,7 +60,7 @@ def _letters(rng: random.Random, n: int) -> str:
 class Copy(TaskFamily):
     name = "copy"
 
-    def __init__(self, mean_len: float = 7.0, max_len: int = 40):
+    def __init__(self, mean_len: float = 6.0, max_len: int = 40):
         self.mean_len, self.max_len = mean_len, max_len
 
     def sample(self, rng: random.Random) -> Example:
@@ -74,7 +74,7 @@ class Copy(TaskFamily):
 class Add(TaskFamily):
     name = "add"
 
-    def __init__(self, max_digits: int = 5):
+    def __init__(self, max_digits: int = 3):
         self.max_digits = max_digits
 
     def sample(self, rng: random.Random) -> Example:
@@ -99,7 +99,7 @@ class Perm(TaskFamily):
 
     name = "perm"
 
-    def __init__(self, min_len: int = 3, max_len: int = 10):
+    def __init__(self, min_len: int = 3, max_len: int = 8):
         self.min_len, self.max_len = min_len, max_len
 
     def sample(self, rng: random.Random) -> Example:
