@@ -118,15 +118,15 @@ class SamplingConfig:
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     #: optimizer steps
-    steps: int = 600
+    steps: int = 400
     #: tokens per packed batch (several examples concatenated)
-    tokens_per_batch: int = 2048
+    tokens_per_batch: int = 1024
     #: peak learning rate (AdamW, linear warmup then cosine decay)
-    lr: float = 3e-3
+    lr: float = 1e-3
     #: learning rate at the end of the cosine as a fraction of lr
     min_lr_ratio: float = 0.1
     #: warmup steps
-    warmup_steps: int = 30
+    warmup_steps: int = 20
     #: AdamW weight decay
     weight_decay: float = 0.01
     #: gradient clipping by global norm (0 = off)
