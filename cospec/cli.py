@@ -69,13 +69,15 @@ def _print_accuracy(metrics: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"SFT: {metrics['num_params'] / 1e6:.2f}M params, {metrics['steps']} steps, "
-                    f"{metrics['train_seconds']:.0f}s train, final loss {metrics['final_loss']:.3f}")
+    console = Console()
+    console.print(f"SFT: {metrics['num_params'] / 1e6:.2f}M params, {metrics['steps']} steps, "
+                  f"{metrics['train_seconds']:.0f}s train, final loss {metrics['final_loss']:.3f}")
+    t = Table()
     t.add_column("family")
     t.add_column("greedy accuracy", justify="right")
     for k, v in metrics["accuracy"].items():
         t.add_row(k, f"{v:.1%}")
-    Console().print(t)
+    console.print(t)
 
 
 def cmd_sft(args) -> int:
