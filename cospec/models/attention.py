@@ -63,6 +63,9 @@ class AttentionFn(Protocol):
 def packed_causal_mask(cu_seqlens: Tensor, total: int) -> Tensor:
     """bool [1, 1, T, T]: causal within each packed sequence, nothing across sequences.
 
+    O(T^2) memory: the reference (oracle) for packed attention, and for implementations that want a
+    dense mask; `sdpa_attention` itself unpacks instead.
+
     Tokens past cu_seqlens[-1] (padding) form their own causal block so no row is empty (an
     all-False softmax row would be NaN).
     """
