@@ -182,9 +182,8 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             if cu_seqlens is not None:
                 raise ValueError("packed input (cu_seqlens) cannot be combined with a KV cache")
-            kv_cache.check_room(T, cache_rows)  # device sync: also gives the used length below
+            used = kv_cache.check_room(T, cache_rows)  # the forward's one device sync
             lengths = kv_cache.lengths_B if cache_rows is None else kv_cache.lengths_B[cache_rows]
-            used = int(lengths.max()) + T
             if positions_BT is None:
                 positions_BT = lengths[:, None] + torch.arange(T, device=device)[None, :]
             # Only the first `used` slots can be visible: attending past them would be wasted work.

@@ -49,12 +49,14 @@ class KVCache(nn.Module):
             return torch.arange(self.batch_size, device=self.lengths_B.device)
         return rows
 
-    def check_room(self, num_new: int, rows: Tensor | None = None) -> None:
-        """Raise ValueError if writing num_new tokens would overflow any addressed row."""
+    def check_room(self, num_new: int, rows: Tensor | None = None) -> int:
+        """The longest addressed row after writing num_new tokens (the slots attention must cover);
+        ValueError if that overflows the capacity."""
         longest = int(self.lengths_B[self._rows(rows)].max()) + num_new  # device sync
         if longest > self.capacity:
             raise ValueError(f"KV cache overflow: a row would reach {longest} tokens, capacity is "
                              f"{self.capacity} (model.max_seq_len)")
+        return longest
 
     def update(self, layer_id: int, k_BHTD: Tensor, v_BHTD: Tensor, rows: Tensor | None,
                used: int) -> tuple[Tensor, Tensor]:
