@@ -115,12 +115,62 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def measure_speculation(cfg: RunConfig, policy, draft, *, num_prompts: int = 64, seed: int = 4321):
+    """Speculative generation of held-out task prompts at the config's sampling and gamma:
+    (result, plain result) on the same prompts, for a quick look at tau and speedup."""
+    from cospec.rl.tasks import TaskSuite
+    from cospec.rl.tokenizer import CharTokenizer
+    from cospec.rollout.engine import GenerationEngine
+    from cospec.rollout.speculative import SpeculativeEngine
+
+    suite, tok, rng = TaskSuite(cfg.task), CharTokenizer(), random.Random(seed)
+    prompts = [suite.encode_prompt(suite.sample(rng), tok) for _ in range(num_prompts)]
+    device = next(policy.parameters()).device
+    B, s = cfg.sampling.batch_size, cfg.sampling
+    spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma).generate(
+        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
+    plain = GenerationEngine(policy, batch_size=B).generate(
+        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
+    return spec, plain
+
+
+def cmd_draft_train(args) -> int:
+    """Train a draft on the SFT policy's own samples (the frozen draft; co-training's start)."""
+    from cospec.draft.offline import load_or_train_draft
+
+    cfg = _resolve(args)
+    device = pick_device(cfg.device)
+    policy, _ = load_or_train_sft(cfg, device)
+    draft, metrics = load_or_train_draft(cfg, policy, force=True)
+    print(f"draft ({cfg.draft.kind}): {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
+          f"{metrics['num_tokens']} policy-sampled tokens, {cfg.draft.train_steps} steps in "
+          f"{metrics['train_seconds']:.0f}s, final loss {metrics['final_loss']:.3f}")
+    if "acceptance" in metrics["last_batch"]:
+        acc = ", ".join(f"{a:.2f}" for a in metrics["last_batch"]["acceptance"])
+        print(f"teacher-forced acceptance (1 - TV) by TTT step on the last batch: {acc}")
+    spec, plain = measure_speculation(cfg, policy, draft)
+    st = spec.stats
+    print(f"speculative sampling on 64 held-out prompts, gamma={cfg.rollout.gamma}, batch "
+          f"{cfg.sampling.batch_size}: tau {st.accept_length:.2f}, acceptance by position "
+          f"{[round(a, 2) for a in st.acceptance_by_position]}, "
+          f"{spec.tokens_per_second:.0f} tok/s vs plain {plain.tokens_per_second:.0f} tok/s")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from cospec.bench import generation
 
+    if args.what == "rollout":
+        from cospec.bench import rollout
+
+        cfg = _resolve(args)
+        sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
+        rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
+                        json_path=args.json, hf=not args.no_hf)
+        return 0
     if args.what == "generation":
         cfg = _resolve(args)
-        rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
+        rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in (args.batch_sizes or "1,16,64").split(",")],
                                   json_path=args.json)
         return 0 if rows else 1
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
@@ -139,9 +189,14 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="the main job on the embedded default config")
     _config_args(d)
     d.set_defaults(fn=cmd_demo)
+    t = sub.add_parser("draft-train", help="train a draft on the SFT policy's samples")
+    _config_args(t)
+    t.set_defaults(fn=cmd_draft_train)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation"])
-    b.add_argument("--batch-sizes", default="1,16,64")
+    b.add_argument("what", choices=["generation", "rollout"])
+    b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
+    b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats")
+    b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--json", help="also write the rows as JSON to this path")
     _config_args(b)
     b.set_defaults(fn=cmd_bench)
@@ -149,7 +204,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides may follow options (`bench rollout --quick out_dir=x`): argparse leaves positionals
+    # after an optional unparsed, so collect them here.
+    args, extra = parser.parse_known_args(argv)
+    unknown = [a for a in extra if "=" not in a or a.startswith("-")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = list(getattr(args, "overrides", [])) + extra
     try:
         return args.fn(args)
     except ConfigError as e:

@@ -148,6 +148,62 @@ class SFTConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DraftConfig:
+    #: "eagle3" (one decoder layer on the policy's tapped features) or "lm" (a standalone small causal LM)
+    kind: str = "eagle3"
+    #: policy layers whose outputs the eagle3 draft reads (low, mid, high; empty = 1, L/2-1, L-4)
+    tap_layers: tuple[int, ...] = ()
+    #: SwiGLU inner size of the draft layer(s) (0 = the policy's)
+    intermediate_size: int = 0
+    #: decoder layers of the "lm" draft (the eagle3 draft always has one)
+    lm_num_layers: int = 1
+    #: copy the policy's embedding and LM head into the draft at construction
+    init_from_policy: bool = True
+    #: offline training (`cospec draft-train`): optimizer steps
+    train_steps: int = 300
+    #: offline training: tokens per packed batch
+    tokens_per_batch: int = 2048
+    #: offline training: peak learning rate (AdamW, warmup then cosine)
+    lr: float = 2e-3
+    #: offline training: prompts the policy answers to make the training data
+    num_train_prompts: int = 1024
+    #: training-time-test unroll depth (EAGLE-3): steps ahead the draft is trained for
+    ttt_steps: int = 3
+    #: loss weight of TTT step j is ttt_decay^(j-1)
+    ttt_decay: float = 0.8
+    #: torch manual seed of draft init and training
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.kind in ("eagle3", "lm"), "draft.kind", f"must be eagle3 or lm, got {self.kind!r}")
+        _check(len(self.tap_layers) in (0, 3), "draft.tap_layers",
+               f"must name 3 layers (low, mid, high) or none for the default, got {list(self.tap_layers)}")
+        _check(all(t >= 0 for t in self.tap_layers), "draft.tap_layers", "must be >= 0")
+        _check(self.intermediate_size >= 0, "draft.intermediate_size", "must be >= 0")
+        _check(self.lm_num_layers > 0, "draft.lm_num_layers", "must be positive")
+        for n in ("train_steps", "tokens_per_batch", "num_train_prompts", "ttt_steps"):
+            _check(getattr(self, n) > 0, f"draft.{n}", f"must be positive, got {getattr(self, n)}")
+        _check(self.lr > 0, "draft.lr", f"must be positive, got {self.lr}")
+        _check(0 < self.ttt_decay <= 1, "draft.ttt_decay", f"must be in (0, 1], got {self.ttt_decay}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    #: speculative rollouts (a draft proposes, the policy verifies; lossless)
+    speculative: bool = False
+    #: draft tokens per step: the fixed gamma, or the largest the adaptive controller may pick
+    gamma: int = 4
+    #: choose gamma (0 = plain decoding) every step from the online cost model
+    adaptive: bool = True
+    #: adaptive: after this many steps at gamma = 0, draft once to refresh the acceptance estimate
+    probe_every: int = 16
+
+    def __post_init__(self) -> None:
+        _check(1 <= self.gamma <= 16, "rollout.gamma", f"must be in [1, 16], got {self.gamma}")
+        _check(self.probe_every > 0, "rollout.probe_every", "must be positive")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     #: where checkpoints, logs and reports go
     out_dir: str = "runs/default"
@@ -157,6 +213,8 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -332,6 +390,7 @@ def tiny() -> RunConfig:
         "sampling": {"max_new_tokens": 32, "batch_size": 8},
         "sft": {"steps": 20, "tokens_per_batch": 512, "warmup_steps": 2,
                 "eval_prompts_per_family": 8},
+        "draft": {"train_steps": 10, "tokens_per_batch": 512, "num_train_prompts": 32},
     })
 
 

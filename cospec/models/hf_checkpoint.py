@@ -179,7 +179,7 @@ def _hf_state(model: Transformer) -> dict[str, Tensor]:
     return {_to_hf(k): v.detach().cpu().contiguous() for k, v in state.items()}
 
 
-def _swap_in(tmp: Path, path: Path) -> None:
+def swap_in_directory(tmp: Path, path: Path) -> None:
     """Make `tmp` the directory at `path`; the old one is removed only after the new one is there.
 
     Files of the old directory that are not checkpoint files (a tokenizer, say) are copied over.
@@ -208,12 +208,19 @@ def save_hf(model: Transformer, path: str | Path,
     dtype = next(model.parameters()).dtype
     hf = hf_config_from_model_config(model.config, architecture, dtype)
     state = _hf_state(model)
+    write_checkpoint_directory(path, state, {CONFIG_NAME: hf})
+
+
+def write_checkpoint_directory(path: Path, tensors: dict[str, Tensor], json_files: dict[str, dict]) -> None:
+    """Write ``model.safetensors`` and the JSON files into a temporary directory next to `path`,
+    then swap it in (`swap_in_directory`): readers see the old checkpoint or the new, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        save_file(state, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
-        (tmp / CONFIG_NAME).write_text(json.dumps(hf, indent=2) + "\n")
-        _swap_in(tmp, path)
+        save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+        for name, obj in json_files.items():
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+        swap_in_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -59,13 +59,15 @@ def apply_rope(x_BHTD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int):
+    def __init__(self, cfg: ModelConfig, layer_id: int, in_features: int | None = None):
+        """in_features: width of the input (default hidden_size; the EAGLE-3 draft layer reads 2C)."""
         super().__init__()
         self.layer_id = layer_id
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        d_in = in_features or cfg.hidden_size
+        self.q_proj = nn.Linear(d_in, cfg.num_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(d_in, cfg.num_kv_heads * cfg.head_dim, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x_BTC: Tensor, cos: Tensor, sin: Tensor, ctx: "ForwardContext") -> Tensor:
@@ -134,6 +136,53 @@ def packed_positions(cu_seqlens: Tensor, total: int) -> Tensor:
     return idx - cu_seqlens[seq_id]
 
 
+def forward_context(cfg: ModelConfig, x_BTC: Tensor, *, cu_seqlens: Tensor | None,
+                    positions_BT: Tensor | None, kv_cache, cache_rows: Tensor | None,
+                    attn_fn: AttentionCallable) -> tuple[ForwardContext, Tensor, Tensor]:
+    """Attention layout, RoPE cos/sin and positions for one forward of T new tokens per row.
+
+    Shared by the policy and the draft (same three uses as `Transformer.forward`). Positions when
+    None: cache length + offset with a cache; restarting per sequence when packed; else 0..T-1.
+    """
+    B, T, _ = x_BTC.shape
+    device = x_BTC.device
+    if kv_cache is not None:
+        if cu_seqlens is not None:
+            raise ValueError("packed input (cu_seqlens) cannot be combined with a KV cache")
+        used = kv_cache.check_room(T, cache_rows)  # the forward's one device sync
+        lengths = kv_cache.lengths_B if cache_rows is None else kv_cache.lengths_B[cache_rows]
+        if positions_BT is None:
+            positions_BT = lengths[:, None] + torch.arange(T, device=device)[None, :]
+        # Only the first `used` slots can be visible: attending past them would be wasted work.
+        layout = AttentionLayout(mask=cache_mask(lengths, T, used))
+    elif cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"packed input must have batch size 1, got tokens of shape {(B, T)}")
+        cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
+        if int(cu_seqlens[-1]) != T or int(cu_seqlens[0]) != 0:
+            raise ValueError(f"cu_seqlens must run from 0 to the packed length {T}, "
+                             f"got {cu_seqlens.tolist()}")
+        if positions_BT is None:
+            positions_BT = packed_positions(cu_seqlens, T)[None]
+        layout = AttentionLayout(cu_seqlens=cu_seqlens)
+        used = 0
+    else:
+        if positions_BT is None:
+            positions_BT = torch.arange(T, device=device)[None].expand(B, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
+        layout = AttentionLayout(mask=causal)
+        used = 0
+    if kv_cache is None:
+        # Packed rows may be longer than max_seq_len; each sequence in them may not.
+        longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > cfg.max_seq_len:
+            raise ValueError(f"sequence of {longest} tokens exceeds model.max_seq_len={cfg.max_seq_len}")
+    ctx = ForwardContext(layout=layout, attn_fn=attn_fn, kv_cache=kv_cache, cache_rows=cache_rows,
+                         cache_used=used)
+    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+    return ctx, cos.to(x_BTC.dtype), sin.to(x_BTC.dtype)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, *, layer_ids: list[int] | None = None,
                  has_embedding: bool = True, has_head: bool = True,
@@ -177,44 +226,9 @@ class Transformer(nn.Module):
         tap_layers: decoder layer ids whose outputs to return in ``taps`` (detached by default).
         """
         x = self.embed_tokens(tokens_BT) if inputs_embeds is None else inputs_embeds
-        B, T, _ = x.shape
-        device = x.device
-        if kv_cache is not None:
-            if cu_seqlens is not None:
-                raise ValueError("packed input (cu_seqlens) cannot be combined with a KV cache")
-            used = kv_cache.check_room(T, cache_rows)  # the forward's one device sync
-            lengths = kv_cache.lengths_B if cache_rows is None else kv_cache.lengths_B[cache_rows]
-            if positions_BT is None:
-                positions_BT = lengths[:, None] + torch.arange(T, device=device)[None, :]
-            # Only the first `used` slots can be visible: attending past them would be wasted work.
-            layout = AttentionLayout(mask=cache_mask(lengths, T, used))
-        elif cu_seqlens is not None:
-            if B != 1:
-                raise ValueError(f"packed input must have batch size 1, got tokens of shape {tuple(x.shape[:2])}")
-            cu_seqlens = cu_seqlens.to(device=device, dtype=torch.long)
-            if int(cu_seqlens[-1]) != T or int(cu_seqlens[0]) != 0:
-                raise ValueError(f"cu_seqlens must run from 0 to the packed length {T}, "
-                                 f"got {cu_seqlens.tolist()}")
-            if positions_BT is None:
-                positions_BT = packed_positions(cu_seqlens, T)[None]
-            layout = AttentionLayout(cu_seqlens=cu_seqlens)
-            used = 0
-        else:
-            if positions_BT is None:
-                positions_BT = torch.arange(T, device=device)[None].expand(B, T)
-            causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()[None, None]
-            layout = AttentionLayout(mask=causal)
-            used = 0
-        if kv_cache is None:
-            # Packed rows may be longer than max_seq_len; each sequence in them may not.
-            longest = T if cu_seqlens is None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            if longest > self.config.max_seq_len:
-                raise ValueError(f"sequence of {longest} tokens exceeds "
-                                 f"model.max_seq_len={self.config.max_seq_len}")
-        ctx = ForwardContext(layout=layout, attn_fn=attn_fn or self.attn_fn, kv_cache=kv_cache,
-                             cache_rows=cache_rows, cache_used=used)
-        cos, sin = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        ctx, cos, sin = forward_context(self.config, x, cu_seqlens=cu_seqlens,
+                                        positions_BT=positions_BT, kv_cache=kv_cache,
+                                        cache_rows=cache_rows, attn_fn=attn_fn or self.attn_fn)
         wanted = set(tap_layers)
         unknown = wanted - {int(i) for i in self.layers.keys()}
         if unknown:
@@ -225,6 +239,6 @@ class Transformer(nn.Module):
             if int(lid) in wanted:
                 taps[int(lid)] = x.detach() if detach_taps else x
         if kv_cache is not None:
-            kv_cache.advance(T if num_valid_B is None else num_valid_B, cache_rows)
+            kv_cache.advance(x.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
         logits = self.lm_head(self.norm(x)) if self.lm_head is not None else None
         return ModelOutput(logits=logits, hidden=x, taps=taps)

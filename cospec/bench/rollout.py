@@ -1,0 +1,196 @@
+"""`cospec bench rollout`: plain vs speculative rollouts (fixed and adaptive gamma) vs HF assisted
+generation, on the SFT policy and its trained drafts, measured side by side in one run.
+
+Workload: task-suite prompts (the RL workload: EOS on, responses of 1-40 tokens), the config's
+sampling (temperature 1 by default), ``sampling.max_new_tokens``. Per batch size B every method
+answers the same prompts (2B of them, at least 16) with the same seed; methods run interleaved,
+``repeats`` times each after one warm-up, and tokens/s is total tokens over total seconds, so slow
+drift of the machine hits all methods alike.
+
+Ideal speedup (what the cost model predicts from the measured tau, Leviathan et al. Sec. 3.4):
+    ideal = tau * verify(B, 1) / (verify(B, G + 1) + G * draft(B))
+with verify/draft the calibrated forward costs at B rows (`cospec.rollout.adaptive`); it leaves out
+prefill, sampling and bookkeeping, so measured/ideal says how much of the rest eats the gain.
+
+At batch 1 it also runs HF transformers' assisted generation (``generate(assistant_model=...,
+do_sample=True)``: lossless, batch 1 only) with the policy and a standalone draft LM exported to HF
+layout, HF's plain sampling, and cospec's speculative engine with that same draft LM. The
+assistant's knobs are read from its own generation_config: num_assistant_tokens = gamma, schedule
+"constant" (HF's default "heuristic" schedule changes gamma as it goes).
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import random
+import time
+
+import torch
+
+from cospec.config import RunConfig, SamplingConfig
+from cospec.rl.tasks import TaskSuite
+from cospec.rl.tokenizer import EOS, PAD, CharTokenizer
+from cospec.rollout.adaptive import AdaptiveGamma
+from cospec.rollout.engine import GenerationEngine
+from cospec.rollout.speculative import SpeculativeEngine
+
+
+def task_prompts(cfg: RunConfig, n: int, seed: int = 2024) -> list[list[int]]:
+    suite, tok, rng = TaskSuite(cfg.task), CharTokenizer(), random.Random(seed)
+    return [suite.encode_prompt(suite.sample(rng), tok) for _ in range(n)]
+
+
+class Timer:
+    """Total tokens and seconds of one method over the interleaved repeats."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.results = 0, 0.0, []
+
+    def add(self, result) -> None:
+        self.tokens += result.num_tokens
+        self.seconds += result.seconds
+        self.results.append(result)
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / max(self.seconds, 1e-9)
+
+
+def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_size: int,
+                     gamma: int, repeats: int, seed: int = 0) -> dict:
+    device = next(policy.parameters()).device
+    controller = AdaptiveGamma(gamma)
+    engines = {
+        "plain": GenerationEngine(policy, batch_size=batch_size),
+        "spec": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma),
+        "adaptive": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma,
+                                      controller=controller),
+    }
+    timers = {k: Timer() for k in engines}
+    with torch.inference_mode():
+        for name, engine in engines.items():  # warm-up (and the adaptive engine's calibration)
+            engine.generate(prompts[:batch_size], sampling,
+                            generator=torch.Generator(device=device).manual_seed(seed))
+    for r in range(repeats):
+        for name, engine in engines.items():
+            gen = torch.Generator(device=device).manual_seed(seed + 1 + r)
+            timers[name].add(engine.generate(prompts, sampling, generator=gen))
+    spec_stats = [res.stats for res in timers["spec"].results]
+    tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
+    cost = controller.cost
+    ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1)
+                                                     + gamma * cost.draft_cost(batch_size))
+    gamma_mix: dict[int, int] = {}
+    for res in timers["adaptive"].results:
+        for g, c in res.stats.gamma_counts.items():
+            gamma_mix[g] = gamma_mix.get(g, 0) + c
+    last = timers["spec"].results[-1].stats
+    speedup = timers["spec"].tok_s / timers["plain"].tok_s
+    return {"batch_size": batch_size, "num_prompts": len(prompts),
+            "plain_tok_s": timers["plain"].tok_s, "spec_tok_s": timers["spec"].tok_s,
+            "adaptive_tok_s": timers["adaptive"].tok_s, "speedup": speedup,
+            "adaptive_speedup": timers["adaptive"].tok_s / timers["plain"].tok_s,
+            "accept_length": tau, "ideal_speedup": ideal, "measured_over_ideal": speedup / ideal,
+            "acceptance_by_position": last.acceptance_by_position,
+            "adaptive_gamma_counts": {str(k): v for k, v in sorted(gamma_mix.items())},
+            "spec_time_split": {"draft": last.draft_seconds, "verify": last.verify_seconds,
+                                "other": last.other_seconds},
+            "verify_cost_ratio": cost.verify_cost(batch_size, gamma + 1) / cost.verify_cost(batch_size, 1),
+            "draft_cost_ratio": cost.draft_cost(batch_size) / cost.verify_cost(batch_size, 1)}
+
+
+def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,
+                      repeats: int = 1) -> float:
+    """HF `generate` one prompt at a time (assisted generation supports batch 1 only)."""
+    tokens, seconds = 0, 0.0
+    kwargs = dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=sampling.top_p,
+                  max_new_tokens=sampling.max_new_tokens, eos_token_id=EOS, pad_token_id=PAD)
+    if assistant is not None:
+        kwargs["assistant_model"] = assistant
+    for r in range(repeats):
+        torch.manual_seed(seed + r)
+        for p in prompts:
+            ids = torch.tensor([p])
+            t0 = time.perf_counter()
+            with torch.inference_mode():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            seconds += time.perf_counter() - t0
+            tokens += out.shape[1] - len(p)
+    return tokens / seconds
+
+
+def load_hf_pair(policy_dir, draft_lm_dir, gamma: int):
+    from transformers import AutoModelForCausalLM
+
+    hf_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_lm_dir, dtype=torch.float32).eval()
+    hf_draft.generation_config.num_assistant_tokens = gamma
+    hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
+    return hf_policy, hf_draft
+
+
+def format_table(rows: list[dict]) -> str:
+    head = (f"{'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'adapt tok/s':>11} "
+            f"{'adapt x':>8} {'tau':>5} {'ideal':>6} {'meas/ideal':>10}  adaptive gammas")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['batch_size']:>5} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} "
+                     f"{r['speedup']:>7.2f}x {r['adaptive_tok_s']:>11.1f} {r['adaptive_speedup']:>7.2f}x "
+                     f"{r['accept_length']:>5.2f} {r['ideal_speedup']:>5.2f}x {r['measured_over_ideal']:>10.2f}"
+                     f"  {r['adaptive_gamma_counts']}")
+    return "\n".join(lines)
+
+
+def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
+            hf: bool = True) -> dict:
+    """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
+    from cospec.cli import load_or_train_sft, pick_device
+    from cospec.config import apply
+    from cospec.draft.offline import draft_dir, load_or_train_draft
+
+    device = pick_device(cfg.device)
+    policy, _ = load_or_train_sft(cfg, device)
+    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    gamma, repeats = cfg.rollout.gamma, 1 if quick else 3
+    s = cfg.sampling
+    sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens)
+    print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
+          f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {gamma}, temperature "
+          f"{s.temperature}, threads {torch.get_num_threads()}, device {device}")
+    rows = []
+    for B in batch_sizes:
+        prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1))
+        rows.append(bench_batch_size(policy, eagle, prompts, sampling, batch_size=B, gamma=gamma,
+                                     repeats=repeats))
+        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    out = {"results": rows}
+    if hf:
+        lm_cfg = apply(cfg, {"draft": {"kind": "lm"}})
+        draft_lm, _ = load_or_train_draft(lm_cfg, policy)
+        prompts = task_prompts(cfg, 8 if quick else 16, seed=77)
+        same = bench_batch_size(policy, draft_lm, prompts, sampling, batch_size=1, gamma=gamma,
+                                repeats=repeats)
+        # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
+        hf_policy, hf_draft = load_hf_pair(f"{cfg.out_dir}/sft", draft_dir(lm_cfg), gamma)
+        out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats)
+        out["hf_assisted_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling,
+                                                     assistant=hf_draft, repeats=repeats)
+        out["cospec_same_draft_tok_s"] = same["spec_tok_s"]
+        out["cospec_same_draft_plain_tok_s"] = same["plain_tok_s"]
+        out["cospec_same_draft_accept_length"] = same["accept_length"]
+        print(f"batch 1, standalone draft LM ({sum(p.numel() for p in draft_lm.parameters()) / 1e6:.2f}M): "
+              f"HF plain {out['hf_plain_tok_s']:.1f} tok/s, HF assisted {out['hf_assisted_tok_s']:.1f}, "
+              f"cospec plain {same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
+              f"(tau {same['accept_length']:.2f}); cospec EAGLE-3 {rows[0]['spec_tok_s']:.1f}; "
+              f"cospec EAGLE-3 / HF assisted = {rows[0]['spec_tok_s'] / out['hf_assisted_tok_s']:.2f}x")
+    print()
+    print(format_table(rows))
+    out["meta"] = {"model": cfg.to_dict()["model"], "gamma": gamma, "sampling": cfg.to_dict()["sampling"],
+                   "torch": torch.__version__, "machine": platform.machine(),
+                   "threads": torch.get_num_threads(), "device": str(device), "quick": quick}
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return out

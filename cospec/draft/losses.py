@@ -1,0 +1,44 @@
+"""Draft losses against the policy's distribution, at the rollout sampling temperature.
+
+# N tokens, V vocab
+
+p = softmax(policy_logits / temperature) (the detached target), q = softmax(draft_logits / temperature).
+- soft cross-entropy  H(p, q) = -sum_x p(x) log q(x)  (= KL(p || q) + H(p): forward KL up to a
+  constant; EAGLE-3's and NeMo RL's draft loss);
+- total variation     TV(p, q) = 0.5 * sum_x |p(x) - q(x)| = 1 - sum_x min(p(x), q(x)), which is
+  exactly 1 - (acceptance probability of a drafted token) under lossless speculative sampling
+  (Leviathan et al. 2211.17192, Sec. 3.5), so minimising it maximises acceptance directly.
+Temperature 0 (greedy rollouts) trains at temperature 1: a one-hot target would carry no ranking.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def _scale(temperature: float) -> float:
+    return 1.0 if temperature == 0 else temperature
+
+
+def soft_cross_entropy(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
+                       temperature: float = 1.0) -> Tensor:
+    """Per-token H(p, q) [N] (fp32); the policy side is detached."""
+    t = _scale(temperature)
+    p = (policy_logits_NV.detach().float() / t).softmax(-1)
+    log_q = (draft_logits_NV.float() / t).log_softmax(-1)
+    return -(p * log_q).sum(-1)
+
+
+def total_variation(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
+                    temperature: float = 1.0) -> Tensor:
+    """Per-token TV(p, q) [N] (fp32); the policy side is detached."""
+    t = _scale(temperature)
+    p = (policy_logits_NV.detach().float() / t).softmax(-1)
+    q = (draft_logits_NV.float() / t).softmax(-1)
+    return 0.5 * (p - q).abs().sum(-1)
+
+
+def masked_mean(values_N: Tensor, mask_N: Tensor) -> Tensor:
+    m = mask_N.float()
+    return (values_N * m).sum() / m.sum().clamp(min=1)

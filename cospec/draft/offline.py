@@ -1,0 +1,168 @@
+"""Offline draft training (`cospec draft-train`): fit a draft to a fixed policy on its own samples.
+
+1. The policy answers ``draft.num_train_prompts`` prompts of the task suite at the rollout sampling
+   temperature (the draft must predict what the policy *samples*, not the SFT references).
+2. One policy forward per packed batch of those sequences gives, detached, the tapped features and
+   the logits; they are kept (no policy forward is repeated across epochs).
+3. The draft trains on them: EAGLE-3 with the TTT unroll (`cospec.draft.ttt`), a standalone draft LM
+   with plain next-token soft cross-entropy; both against the policy's distribution, on response
+   positions only.
+The result is the "frozen" draft that later experiments compare against, and the initial draft of
+co-training.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+
+import torch
+
+from cospec.config import RunConfig, SamplingConfig
+from cospec.draft.losses import masked_mean, soft_cross_entropy
+from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.metrics.progress import progress_bar
+from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
+from cospec.models.llama import Transformer
+from cospec.rl.tasks import TaskSuite
+from cospec.rl.tokenizer import CharTokenizer
+from cospec.rollout.engine import GenerationEngine
+from cospec.sft import lr_at, pack_examples
+
+
+def build_draft(cfg: RunConfig, policy: Transformer) -> Eagle3Draft | Transformer:
+    """A fresh draft of kind ``draft.kind`` for `policy` (seeded by ``draft.seed``)."""
+    d = cfg.draft
+    torch.manual_seed(d.seed)
+    if d.kind == "eagle3":
+        return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers,
+                                       intermediate_size=d.intermediate_size,
+                                       init_from_policy=d.init_from_policy)
+    lm = Transformer(draft_model_config(policy.config, num_layers=d.lm_num_layers,
+                                        intermediate_size=d.intermediate_size))
+    if d.init_from_policy:
+        lm.embed_tokens.weight.data.copy_(policy.embed_tokens.weight.data)
+        lm.lm_head.weight.data.copy_(policy.lm_head.weight.data)
+    p = next(policy.parameters())
+    return lm.to(device=p.device, dtype=p.dtype)
+
+
+def sample_policy_data(cfg: RunConfig, policy: Transformer, *, progress: bool = True) -> list[TTTBatch]:
+    """Steps 1-2: policy samples, packed into batches of ~draft.tokens_per_batch tokens."""
+    d, tok = cfg.draft, CharTokenizer()
+    suite = TaskSuite(cfg.task)
+    rng = random.Random(d.seed + 777)  # a prompt stream of its own
+    examples = [suite.sample(rng) for _ in range(d.num_train_prompts)]
+    prompts = [suite.encode_prompt(e, tok) for e in examples]
+    device = next(policy.parameters()).device
+    sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
+                              top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens)
+    engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size)
+    gen = torch.Generator(device=device).manual_seed(d.seed)
+    result = engine.generate(prompts, sampling, generator=gen, progress=progress)
+    encoded = [(c.prompt + c.tokens, [0] * len(c.prompt) + [1] * len(c.tokens))
+               for c in result.completions if c.tokens]
+    taps = default_tap_layers(policy.config.num_layers) if not d.tap_layers else d.tap_layers
+    batches, start = [], 0
+    while start < len(encoded):
+        used, end = 0, start
+        while end < len(encoded) and (end == start or used + len(encoded[end][0]) - 1 <= d.tokens_per_batch):
+            used += len(encoded[end][0]) - 1
+            end += 1
+        packed = pack_examples(encoded[start:end])
+        with torch.no_grad():
+            out = policy(packed.tokens.to(device), cu_seqlens=packed.cu_seqlens.to(device),
+                         tap_layers=taps)
+        batches.append(TTTBatch(tokens=packed.tokens[0].to(device),
+                                cu_seqlens=packed.cu_seqlens.to(device),
+                                loss_mask=packed.loss_mask[0].to(device),
+                                taps={k: v[0] for k, v in out.taps.items()},
+                                policy_logits=out.logits[0]))
+        start = end
+    return batches
+
+
+def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple[torch.Tensor, dict]:
+    """Soft cross-entropy of a standalone draft LM against the policy at every response position."""
+    logits = lm(batch.tokens[None], cu_seqlens=batch.cu_seqlens).logits[0]
+    loss = masked_mean(soft_cross_entropy(logits, batch.policy_logits, temperature), batch.loss_mask)
+    return loss, {"ce": [loss.item()]}
+
+
+def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *,
+                        progress: bool = True) -> tuple[Eagle3Draft | Transformer, dict]:
+    """Steps 1-3; returns the trained draft and metrics (loss history, per-step acceptance)."""
+    d = cfg.draft
+    policy.eval()
+    draft = draft if draft is not None else build_draft(cfg, policy)
+    t0 = time.perf_counter()
+    batches = sample_policy_data(cfg, policy, progress=progress)
+    data_seconds = time.perf_counter() - t0
+    opt = torch.optim.AdamW(draft.parameters(), lr=d.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    order = random.Random(d.seed)
+    history, last = [], {}
+    draft.train()
+    t1 = time.perf_counter()
+    with progress_bar(progress, d.train_steps, "draft-train") as advance:
+        for step in range(d.train_steps):
+            for g in opt.param_groups:
+                g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),
+                                total=d.train_steps, min_ratio=0.1)
+            batch = batches[order.randrange(len(batches))]
+            if isinstance(draft, Eagle3Draft):
+                loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                      temperature=cfg.sampling.temperature)
+            else:
+                loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            opt.step()
+            history.append(loss.item())
+            advance(f"loss {history[-1]:.3f}")
+    draft.eval()
+    metrics = {"loss_history": history, "final_loss": sum(history[-20:]) / len(history[-20:]),
+               "last_batch": last, "num_batches": len(batches),
+               "num_tokens": sum(int(b.tokens.numel()) for b in batches),
+               "data_seconds": data_seconds, "train_seconds": time.perf_counter() - t1,
+               "kind": d.kind}
+    return draft, metrics
+
+
+def draft_dir(cfg: RunConfig, kind: str | None = None):
+    """Where `cospec draft-train` keeps a draft of this kind: out_dir/draft or out_dir/draft_lm."""
+    from pathlib import Path
+
+    return Path(cfg.out_dir) / ("draft" if (kind or cfg.draft.kind) == "eagle3" else "draft_lm")
+
+
+def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = False,
+                        progress: bool = True):
+    """Reuse the saved draft of ``draft.kind`` when it fits the policy, else train and save one.
+    Returns (draft, metrics or None when reused)."""
+    from cospec.models.draft_checkpoint import load_draft, save_draft
+
+    path = draft_dir(cfg)
+    device = next(policy.parameters()).device
+    if not force and path.exists():
+        draft = load_draft(path, device=device)
+        if _fits(draft, cfg, policy):
+            print(f"reusing draft {path}")
+            return draft.eval(), None
+        print(f"draft {path} was made for another policy or draft config: retraining")
+    draft, metrics = train_draft_offline(cfg, policy, progress=progress)
+    save_draft(draft, path)
+    print(f"saved draft to {path}")
+    return draft, metrics
+
+
+def _fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
+    """Whether a loaded draft is the one `build_draft` would make for this config and policy."""
+    d = cfg.draft
+    if d.kind == "eagle3":
+        return (isinstance(draft, Eagle3Draft) and draft.policy_config == policy.config
+                and draft.tap_layers == (d.tap_layers or default_tap_layers(policy.config.num_layers))
+                and draft.config.intermediate_size == (d.intermediate_size
+                                                       or policy.config.intermediate_size))
+    return isinstance(draft, Transformer) and draft.config == draft_model_config(
+        policy.config, num_layers=d.lm_num_layers, intermediate_size=d.intermediate_size)

@@ -1,0 +1,158 @@
+"""The EAGLE-3 draft (arXiv 2503.01840): one decoder layer that reads the policy's own features.
+
+# B batch, T tokens, C hidden size, V vocab, K number of tapped layers (3)
+
+Inputs at draft entry t of a sequence s_0 s_1 ...:
+- the token s_t (embedded with the draft's embedding, a copy of the policy's), and
+- a feature: for the first draft step, ``fc(concat(h_low, h_mid, h_high))`` of the *policy's*
+  hidden states at position t - 1 (zeros at t = 0); for draft step j > 1, the draft's own output
+  hidden of step j - 1 at the same anchor (EAGLE-3's training-time test).
+The decoder layer reads ``concat(norm(embed), norm(feature))`` (2C wide) through q/k/v, keeps the
+feature as its residual stream, and its output hidden goes through a norm and an LM head that
+predicts s_{t+1} (whose policy distribution is p at position t).
+
+Entry t pairs the feature of position t - 1 with the token of position t (not the feature of t with
+the token t + 1, as the paper writes it): with that shift, entry t sits at position t like the
+policy's token t, a packed batch needs no re-layout for the draft (same ``cu_seqlens``), and a
+standalone draft LM (entry t = token s_t alone) has the same indexing, so the speculative engine
+serves both through one interface (`cospec.rollout.drafter`).
+
+Tap layers default to 1, L/2 - 1, L - 4 (0-based; NeMo RL's choice for EAGLE-3), made increasing
+and clamped to the policy's layers: L = 6 -> (1, 2, 3); L = 32 -> (1, 15, 28); L = 2 -> (1, 1, 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import Tensor, nn
+
+from cospec.config import ModelConfig
+from cospec.models.attention import AttentionCallable, sdpa_attention
+from cospec.models.llama import MLP, Attention, RMSNorm, Transformer, apply_rope, forward_context
+
+
+def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
+    """(low, mid, high) = (1, L/2-1, L-4), made strictly increasing where L allows, within [0, L-1]."""
+    taps = []
+    for want in (1, num_layers // 2 - 1, num_layers - 4):
+        t = max(want, taps[-1] + 1) if taps else want
+        taps.append(min(max(t, 0), num_layers - 1))
+    return tuple(taps)
+
+
+def draft_model_config(policy_cfg: ModelConfig, *, num_layers: int = 1,
+                       intermediate_size: int = 0) -> ModelConfig:
+    """The draft's shape: the policy's width, heads, vocab and RoPE; its own depth and MLP size."""
+    return replace(policy_cfg, num_layers=num_layers,
+                   intermediate_size=intermediate_size or policy_cfg.intermediate_size,
+                   tie_embeddings=False)
+
+
+class DraftDecoderLayer(nn.Module):
+    """EAGLE-3's first (and only) layer: attention over concat(norm(embed), norm(feature))."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of the embedding
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # of the feature
+        self.self_attn = Attention(cfg, layer_id=0, in_features=2 * cfg.hidden_size)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def qkv(self, emb_BTC: Tensor, feat_BTC: Tensor, cos: Tensor, sin: Tensor):
+        """Rotated q [B, H, T, D] and k, v [B, Hkv, T, D] of the 2C-wide input."""
+        a = self.self_attn
+        B, T, _ = emb_BTC.shape
+        x = torch.cat([self.input_layernorm(emb_BTC), self.hidden_norm(feat_BTC)], dim=-1)
+        q = a.q_proj(x).view(B, T, a.num_heads, a.head_dim).transpose(1, 2)
+        k = a.k_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        v = a.v_proj(x).view(B, T, a.num_kv_heads, a.head_dim).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, feat_BTC: Tensor, attn_BHTD: Tensor) -> Tensor:
+        """Output hidden from the attention output: residual on the feature, then the MLP."""
+        B, _, T, _ = attn_BHTD.shape
+        h = feat_BTC + self.self_attn.o_proj(attn_BHTD.transpose(1, 2).reshape(B, T, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DraftOutput:
+    """logits [B, T, V] (next-token prediction of each entry); hidden [B, T, C] (the feature that
+    the next draft step at the same anchor reads)."""
+
+    logits: Tensor
+    hidden: Tensor
+
+
+class Eagle3Draft(nn.Module):
+    def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
+                 intermediate_size: int = 0, attn_fn: AttentionCallable = sdpa_attention):
+        super().__init__()
+        L = policy_cfg.num_layers
+        self.tap_layers = tuple(tap_layers) or default_tap_layers(L)
+        if len(self.tap_layers) != 3 or not all(0 <= t < L for t in self.tap_layers):
+            raise ValueError(f"draft.tap_layers must be 3 layer ids in [0, {L}) of the policy, "
+                             f"got {list(self.tap_layers)}")
+        self.policy_config = policy_cfg
+        self.config = draft_model_config(policy_cfg, intermediate_size=intermediate_size)
+        C = policy_cfg.hidden_size
+        self.attn_fn = attn_fn
+        self.fc = nn.Linear(len(self.tap_layers) * C, C, bias=False)
+        self.embed_tokens = nn.Embedding(policy_cfg.vocab_size, C)
+        # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
+        self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
+        self.norm = RMSNorm(C, policy_cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(C, policy_cfg.vocab_size, bias=False)
+        Transformer.reset_parameters(self)
+
+    @classmethod
+    def from_policy(cls, policy: Transformer, *, tap_layers: tuple[int, ...] = (),
+                    intermediate_size: int = 0, init_from_policy: bool = True) -> "Eagle3Draft":
+        """A draft sized for `policy`, on its device and dtype; embedding and head copied from it."""
+        p = next(policy.parameters())
+        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size)
+        if init_from_policy:
+            draft.embed_tokens.weight.data.copy_(policy.embed_tokens.weight.data)
+            draft.lm_head.weight.data.copy_(policy.lm_head.weight.data)
+        return draft.to(device=p.device, dtype=p.dtype)
+
+    def check_policy(self, policy_cfg: ModelConfig) -> None:
+        """ValueError unless a policy of this config can feed this draft."""
+        mine = self.policy_config
+        for name in ("vocab_size", "hidden_size"):
+            if getattr(policy_cfg, name) != getattr(mine, name):
+                raise ValueError(f"draft/policy mismatch: draft has {name}={getattr(mine, name)}, "
+                                 f"policy has {name}={getattr(policy_cfg, name)}")
+        if max(self.tap_layers) >= policy_cfg.num_layers:
+            raise ValueError(f"draft taps layers {list(self.tap_layers)} but the policy has "
+                             f"{policy_cfg.num_layers} layers")
+
+    def project(self, taps: dict[int, Tensor]) -> Tensor:
+        """fc(concat of the tapped policy features in tap_layers order): [B, T, C]."""
+        missing = [t for t in self.tap_layers if t not in taps]
+        if missing:
+            raise ValueError(f"policy features of layers {missing} were not tapped")
+        return self.fc(torch.cat([taps[t] for t in self.tap_layers], dim=-1))
+
+    def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
+                positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,
+                num_valid_B: Tensor | None = None) -> DraftOutput:
+        """One draft step for T entries per row (the same three uses as the policy's forward:
+        packed, KV-cache decoding with per-row lengths, several new entries per row)."""
+        if feat_BTC.shape[:2] != tokens_BT.shape or feat_BTC.shape[-1] != self.config.hidden_size:
+            raise ValueError(f"draft feature must be [B, T, {self.config.hidden_size}] for tokens "
+                             f"{tuple(tokens_BT.shape)}, got {tuple(feat_BTC.shape)}")
+        emb = self.embed_tokens(tokens_BT)
+        ctx, cos, sin = forward_context(self.config, emb, cu_seqlens=cu_seqlens,
+                                        positions_BT=positions_BT, kv_cache=kv_cache,
+                                        cache_rows=cache_rows, attn_fn=self.attn_fn)
+        layer = self.layers["0"]
+        q, k, v = layer.qkv(emb, feat_BTC, cos, sin)
+        if kv_cache is not None:
+            k, v = kv_cache.update(0, k, v, cache_rows, ctx.cache_used)
+            kv_cache.advance(tokens_BT.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
+        h = layer.finish(feat_BTC, ctx.attn_fn(q, k, v, ctx.layout))
+        return DraftOutput(logits=self.lm_head(self.norm(h)), hidden=h)

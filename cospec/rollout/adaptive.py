@@ -1,0 +1,142 @@
+"""Adaptive speculation: pick gamma each step to maximise expected tokens per second.
+
+# N rows in the step, G = gamma (drafted tokens per row), a_j acceptance at draft position j
+
+Expected tokens one row gains from a step with gamma drafts, when draft position j is accepted with
+probability a_j given that positions < j were (Leviathan et al. 2211.17192, Eq. 1, generalised from
+one rate a to one per position):
+    E(G) = 1 + sum_{i=1..G} prod_{j<=i} a_j          (= (1 - a^(G+1)) / (1 - a) when all a_j = a)
+and the step costs
+    cost(N, G) = verify(N, G + 1) + G * draft(N) + other(N)
+(verify(N, T): one policy forward of N rows with T tokens each; draft(N): one draft step; other:
+sampling and bookkeeping, the same for every G). The controller picks
+    argmax_G  N * E(G) / cost(N, G),   G in 0..gamma_max,
+G = 0 being plain decoding (E = 1, no draft). So speculation switches itself off at batch sizes where
+verifying G + 1 tokens costs nearly G + 1 decode steps, and back on as the batch drains in the tail.
+
+Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a short calibration
+(`calibrate` in `cospec.rollout.speculative`) and kept current by an exponential moving average of
+every step's measured time; N between measured points is interpolated linearly. Acceptance is a
+decayed count per position, so it follows a draft that co-training improves; while G = 0 nothing is
+measured, so every ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+
+class CostModel:
+    """Seconds per policy forward (by rows N and tokens per row T), per draft step and other work
+    (by N). ``ema``: weight of a new measurement."""
+
+    def __init__(self, ema: float = 0.2):
+        self.ema = ema
+        self.verify: dict[int, dict[int, float]] = {}  # T -> {N: seconds}
+        self.draft: dict[int, float] = {}  # N -> seconds per draft step
+        self.other: dict[int, float] = {}  # N -> seconds per step
+
+    def _update(self, table: dict[int, float], n: int, seconds: float) -> None:
+        old = table.get(n)
+        table[n] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
+
+    def observe_verify(self, n: int, t: int, seconds: float) -> None:
+        self._update(self.verify.setdefault(t, {}), n, seconds)
+
+    def observe_draft(self, n: int, seconds_per_step: float) -> None:
+        self._update(self.draft, n, seconds_per_step)
+
+    def observe_other(self, n: int, seconds: float) -> None:
+        self._update(self.other, n, seconds)
+
+    @staticmethod
+    def _interpolate(table: dict[int, float], n: int) -> float | None:
+        """Linear in N between the nearest measured N on each side; constant past the ends."""
+        if not table:
+            return None
+        if n in table:
+            return table[n]
+        keys = sorted(table)
+        i = bisect.bisect_left(keys, n)
+        if i == 0:
+            return table[keys[0]]
+        if i == len(keys):
+            return table[keys[-1]]
+        lo, hi = keys[i - 1], keys[i]
+        w = (n - lo) / (hi - lo)
+        return (1 - w) * table[lo] + w * table[hi]
+
+    def verify_cost(self, n: int, t: int) -> float | None:
+        return self._interpolate(self.verify.get(t, {}), n)
+
+    def draft_cost(self, n: int) -> float | None:
+        return self._interpolate(self.draft, n)
+
+    def other_cost(self, n: int) -> float:
+        return self._interpolate(self.other, n) or 0.0
+
+
+def expected_tokens(accept_by_position: list[float], gamma: int) -> float:
+    """E(G) = 1 + sum_{i<=G} prod_{j<=i} a_j: tokens one row gains from one step."""
+    total, reach = 1.0, 1.0
+    for a in accept_by_position[:gamma]:
+        reach *= a
+        total += reach
+    return total
+
+
+class AdaptiveGamma:
+    """Chooses gamma per step; learns acceptance per draft position from the steps it sees.
+
+    prior / prior_weight: the acceptance a position starts from, as that many pseudo-observations.
+    decay: per-step forgetting factor of the acceptance counts (tracks a changing draft).
+    """
+
+    def __init__(self, gamma_max: int, cost: CostModel | None = None, *, probe_every: int = 16,
+                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.98):
+        if gamma_max < 1:
+            raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
+        self.gamma_max = gamma_max
+        self.cost = cost or CostModel()
+        self.probe_every = probe_every
+        self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
+        self.reached = [0.0] * gamma_max  # rows whose draft position j was judged
+        self.accepted = [0.0] * gamma_max  # of those, rows that accepted it
+        self.steps_at_zero = 0
+
+    def acceptance(self) -> list[float]:
+        """Current estimate of a_j for j = 1..gamma_max."""
+        return [(acc + self.prior * self.prior_weight) / (n + self.prior_weight)
+                for acc, n in zip(self.accepted, self.reached)]
+
+    def observe_acceptance(self, gamma: int, num_accepted: list[int]) -> None:
+        """num_accepted: per row of a step drafted with `gamma`, the accepted prefix length."""
+        self.reached = [r * self.decay for r in self.reached]
+        self.accepted = [a * self.decay for a in self.accepted]
+        for k in num_accepted:
+            for j in range(min(k + 1, gamma)):  # positions 1..k accepted, k+1 judged and rejected
+                self.reached[j] += 1
+                self.accepted[j] += j < k
+
+    def throughput(self, n: int, gamma: int) -> float | None:
+        """Expected tokens per second of a step of n rows with `gamma`; None if a cost is unknown."""
+        verify = self.cost.verify_cost(n, gamma + 1)
+        draft = self.cost.draft_cost(n) if gamma > 0 else 0.0
+        if verify is None or draft is None:
+            return None
+        seconds = verify + gamma * draft + self.cost.other_cost(n)
+        return n * expected_tokens(self.acceptance(), gamma) / seconds
+
+    def choose(self, n: int) -> int:
+        """The gamma for the next step of n rows (may be a probe; see the module docstring)."""
+        rates = {g: self.throughput(n, g) for g in range(self.gamma_max + 1)}
+        known = {g: r for g, r in rates.items() if r is not None}
+        best = max(known, key=known.get) if known else self.gamma_max
+        if best == 0:
+            self.steps_at_zero += 1
+            if self.steps_at_zero >= self.probe_every:
+                self.steps_at_zero = 0
+                return self.gamma_max
+        else:
+            self.steps_at_zero = 0
+        return best

@@ -1,0 +1,85 @@
+"""The one small interface between the speculative engine and a draft.
+
+# N rows addressed, T entries per row, C hidden size, V vocab
+
+Both drafts index a sequence s_0 s_1 ... by *entry*: entry t holds token s_t (and, for EAGLE-3, the
+projected policy feature of position t - 1, zeros at t = 0; see `cospec.models.draft`), sits at
+position t of the draft's own KV cache, and its logits predict s_{t+1}. The engine keeps, per cache
+row, the token history and the feature history aligned by entry, feeds every entry the draft has not
+seen yet in one call ("catch-up", ragged across rows), then one entry per further draft step.
+
+A drafter:
+- ``tap_layers``: the policy layers whose outputs the verify pass must return (empty: none);
+- ``feature_size``: width of the stored per-entry feature (0: the draft reads none);
+- ``features(taps)``: policy taps [N, T, C] per layer -> per-entry features [N, T, F] (or None);
+- ``new_cache(batch_size, capacity)``: the draft's own KV cache;
+- ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, V], state [N, T, C]
+  or None): feed T entries per row; ``feats`` is the stored feature for catch-up entries and the
+  previous step's ``state`` for further draft steps.
+"""
+
+from __future__ import annotations
+
+from torch import Tensor
+
+from cospec.models.draft import Eagle3Draft
+from cospec.models.llama import Transformer
+from cospec.rollout.kv_cache import KVCache
+
+
+class Eagle3Drafter:
+    """EAGLE-3: first step on the policy's features, later steps on the draft's own hidden."""
+
+    def __init__(self, draft: Eagle3Draft, policy_cfg=None):
+        if policy_cfg is not None:
+            draft.check_policy(policy_cfg)
+        self.model = draft
+        self.tap_layers = draft.tap_layers
+        self.feature_size = draft.config.hidden_size
+
+    def features(self, taps: dict[int, Tensor]) -> Tensor:
+        return self.model.project(taps)
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache.for_model(self.model, batch_size, capacity)
+
+    def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor, rows_N: Tensor | None,
+                 num_valid_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        out = self.model(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
+                         num_valid_B=num_valid_N)
+        return out.logits, out.hidden
+
+
+class LMDrafter:
+    """A standalone small causal LM (the "draft model" method of vLLM and HF assisted generation)."""
+
+    tap_layers: tuple[int, ...] = ()
+    feature_size = 0
+
+    def __init__(self, lm: Transformer, policy_cfg=None):
+        if policy_cfg is not None and lm.config.vocab_size != policy_cfg.vocab_size:
+            raise ValueError(f"draft/policy mismatch: draft LM has vocab_size={lm.config.vocab_size}, "
+                             f"policy has vocab_size={policy_cfg.vocab_size}")
+        self.model = lm
+
+    def features(self, taps: dict[int, Tensor]) -> None:
+        return None
+
+    def new_cache(self, batch_size: int, capacity: int) -> KVCache:
+        return KVCache.for_model(self.model, batch_size, capacity)
+
+    def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor | None,
+                 rows_N: Tensor | None, num_valid_N: Tensor | None = None) -> tuple[Tensor, None]:
+        out = self.model(tokens_NT, kv_cache=cache, cache_rows=rows_N, num_valid_B=num_valid_N)
+        return out.logits, None
+
+
+def make_drafter(draft, policy_cfg=None):
+    """Wrap an `Eagle3Draft` or a standalone `Transformer` draft LM; checks it fits the policy."""
+    if isinstance(draft, Eagle3Draft):
+        return Eagle3Drafter(draft, policy_cfg)
+    if isinstance(draft, Transformer):
+        return LMDrafter(draft, policy_cfg)
+    if hasattr(draft, "new_cache") and hasattr(draft, "features"):
+        return draft  # already a drafter
+    raise TypeError(f"cannot draft with a {type(draft).__name__}: expected Eagle3Draft or Transformer")

@@ -1,0 +1,339 @@
+"""Batched lossless speculative generation with continuous batching.
+
+# B cache rows (slots), N rows in a step, G drafted tokens (gamma), W catch-up entries, V vocab,
+# F feature width, S history length
+
+Per step, for the N active rows (a ragged batch: rows have their own lengths):
+1. draft (catch-up): feed each row every entry its draft has not seen (`cospec.rollout.drafter`:
+   entry t = token s_t + the policy feature of position t-1) in one ragged call; its last entry's
+   logits give q_1; sample x_1 ~ q_1. Then G-1 single-entry steps give x_2..x_G, each on the draft's
+   own previous hidden (EAGLE-3). The draft's cache is then rolled back to the committed entries.
+2. verify: ONE policy forward of [s_n, x_1..x_G] for all N rows (G+1 tokens each), which also
+   returns the tapped features the draft's next catch-up reads (no extra policy forward).
+3. accept: `verify_drafts` (Leviathan et al. / Chen et al.) per row: k accepted, one more token drawn;
+   the policy cache rolls back per row to keep s_n, x_1..x_k.
+4. record: the k+1 tokens with their policy logprobs are appended; finished rows free their slot and
+   queued prompts refill it (prefill, as the plain engine does).
+With G = 0 (the adaptive controller's choice, `cospec.rollout.adaptive`) a step is plain decoding:
+one policy forward of 1 token per row, no draft call; the draft catches up when drafting resumes.
+
+Per-slot state: ``seq_BS`` the row's tokens (prompt + response; seq[n] is the pending token, sampled
+but not yet fed to the policy), ``feat_BSF`` the draft feature of each entry (feat[t] = projection
+of the policy's taps at position t-1, feat[0] = 0), host-side ``n`` (policy cache length) and
+``e`` (entries in the draft's cache). Caches get G spare slots beyond the capacity (the verify
+forward writes up to G+1 tokens past the committed length); the draft's cache is twice as long,
+since a ragged catch-up writes padding past short rows.
+
+Outputs are the plain engine's `Completion`s (tokens, policy logprobs under the sampling
+distribution, finish reasons) plus `SpeculationStats`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cospec.config import SamplingConfig
+from cospec.rl.tokenizer import EOS
+from cospec.rollout.adaptive import AdaptiveGamma
+from cospec.rollout.drafter import make_drafter
+from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
+                                   append_until_finished, prefill_slots, score_tokens)
+from cospec.rollout.kv_cache import KVCache
+from cospec.rollout.sampling import probs_from_logits, sample, sample_tokens, sampling_logprobs_NV
+from cospec.rollout.verify import verify_drafts
+
+
+@dataclass
+class SpeculationStats:
+    """Counts over one `generate` call.
+
+    accept_length (tau): tokens produced per row per policy decode forward (prefills excluded;
+        a step at G = 0 produces 1); counts all k+1 tokens of a step, also those a finishing row
+        drops. per_row_accept_length: the same for each completion, in prompt order.
+    acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
+    gamma_counts: steps taken at each gamma. Seconds: draft calls, verify forwards (or plain decode
+    forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
+    """
+
+    row_steps: int = 0
+    step_tokens: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    gamma_counts: dict[int, int] = field(default_factory=dict)
+    per_row_accept_length: list[float] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    other_seconds: float = 0.0
+
+    @property
+    def accept_length(self) -> float:
+        return self.step_tokens / max(self.row_steps, 1)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+    def to_dict(self) -> dict:
+        return {"accept_length": self.accept_length,
+                "acceptance_by_position": self.acceptance_by_position,
+                "per_row_accept_length": self.per_row_accept_length,
+                "gamma_counts": dict(self.gamma_counts), "draft_seconds": self.draft_seconds,
+                "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds}
+
+
+@dataclass
+class SpeculativeResult(GenerationResult):
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+class SpeculativeEngine(GenerationEngine):
+    """Continuous-batching speculative generation: same contract as `GenerationEngine.generate`.
+
+    draft: an `Eagle3Draft`, a standalone draft LM (`Transformer`), or any drafter
+        (`cospec.rollout.drafter`); vocab (and for EAGLE-3 hidden size) must match the policy.
+    gamma: drafted tokens per step (fixed), or the most the adaptive controller may pick.
+    adaptive: pick gamma per step (`AdaptiveGamma`); ``controller`` may be given to share a cost
+        model and acceptance estimate across engines or runs. Costs are calibrated on first use.
+    """
+
+    def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
+                 max_seq_len: int | None = None, eos_id: int | None = EOS,
+                 controller: AdaptiveGamma | None = None, probe_every: int = 16):
+        super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, eos_id=eos_id)
+        if gamma < 1:
+            raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
+        self.drafter = make_drafter(draft, model.config)
+        self.gamma = gamma
+        self.logical_capacity = self.cache.capacity
+        # Room for the G+1 tokens a verify writes past the committed length (rolled back after).
+        self.cache = KVCache.for_model(model, batch_size, self.logical_capacity + gamma)
+        self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.logical_capacity + gamma))
+        self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
+                                         if adaptive else None)
+        if self.controller is not None and self.controller.gamma_max != gamma:
+            raise ValueError(f"controller.gamma_max={self.controller.gamma_max} != gamma={gamma}")
+        device = self.cache.lengths_B.device
+        history = self.logical_capacity + gamma + 1
+        self.seq_BS = torch.zeros(batch_size, history, dtype=torch.long, device=device)
+        F = self.drafter.feature_size
+        p = next(model.parameters())
+        self.feat_BSF = (torch.zeros(batch_size, history, F, dtype=p.dtype, device=device)
+                         if F else None)
+        self._calibrated = False
+
+    @property
+    def capacity(self) -> int:
+        return self.logical_capacity
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
+                 generator: torch.Generator | None = None, progress: bool = False) -> SpeculativeResult:
+        """As `GenerationEngine.generate`, plus ``stats`` (`SpeculationStats`)."""
+        if self.controller is not None and not self._calibrated:
+            with torch.inference_mode():
+                calibrate(self)
+            self._calibrated = True
+        self.stats = SpeculationStats(reached=[0] * self.gamma, accepted=[0] * self.gamma)
+        result = super().generate(prompts, sampling, generator=generator, progress=progress)
+        return SpeculativeResult(**vars(result), stats=self.stats)
+
+    # ------------------------------------------------------------------------- the loop
+
+    def _run(self, prompts, sampling, generator, on_finish) -> tuple[list[Completion], int]:
+        queue = deque(range(len(prompts)))
+        self.slots: list[Completion | None] = [None] * self.batch_size
+        self.n = [0] * self.batch_size
+        self.e = [0] * self.batch_size
+        self.row_counts: dict[int, list[int]] = {}  # prompt index -> [steps, tokens]
+        done: list[Completion | None] = [None] * len(prompts)
+        num_forwards = 0
+        while queue or any(s is not None for s in self.slots):
+            t0 = _now(self.seq_BS)
+            free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
+            if free:
+                self._refill(free, [queue.popleft() for _ in free], prompts, sampling, generator,
+                             done, on_finish)
+                num_forwards += 1
+            active = [s for s, row in enumerate(self.slots) if row is not None]
+            if not active:
+                continue
+            gamma = self.controller.choose(len(active)) if self.controller else self.gamma
+            draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
+            num_forwards += 1
+            other_s = _now(self.seq_BS) - t0 - draft_s - verify_s
+            self.stats.draft_seconds += draft_s
+            self.stats.verify_seconds += verify_s
+            self.stats.other_seconds += other_s
+            if self.controller is not None:
+                self.controller.cost.observe_other(len(active), other_s)
+        self.stats.per_row_accept_length = [
+            self.row_counts[i][1] / max(self.row_counts[i][0], 1) for i in range(len(prompts))]
+        return done, num_forwards
+
+    def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
+        """Prefill prompts into free slots; their first token is sampled from the prefill."""
+        device = self.seq_BS.device
+        for s, i in zip(free, indices):
+            self.slots[s] = Completion(index=i, prompt=list(prompts[i]))
+            self.row_counts[i] = [0, 0]
+        rows_N = torch.tensor(free, device=device)
+        logits_NV, out = prefill_slots(self.model, self.cache, rows_N,
+                                       [self.slots[s].prompt for s in free],
+                                       tap_layers=self.drafter.tap_layers)
+        ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
+        lengths = [len(self.slots[s].prompt) for s in free]
+        P = max(lengths)
+        self.seq_BS[rows_N, :P] = torch.stack([torch.tensor(self.slots[s].prompt + [0] * (P - n))
+                                               for s, n in zip(free, lengths)]).to(device)
+        lengths_N = torch.tensor(lengths, device=device)
+        self.seq_BS[rows_N, lengths_N] = ids_N
+        if self.feat_BSF is not None:
+            self.feat_BSF[rows_N, 0] = 0
+            self.feat_BSF[rows_N, 1:P + 1] = self.drafter.features(out.taps).to(self.feat_BSF.dtype)
+        self.draft_cache.reset(rows_N)
+        for s, n in zip(free, lengths):
+            self.n[s], self.e[s] = n, 0
+        self._record(free, [[t] for t in ids_N.tolist()], [[lp] for lp in logprobs_N.tolist()],
+                     sampling, done, on_finish)
+
+    def _step(self, active, gamma, sampling, generator, done, on_finish) -> tuple[float, float]:
+        """One decode step of the active slots at `gamma`; returns (draft, verify) seconds."""
+        device = self.seq_BS.device
+        rows_t = None if len(active) == self.batch_size else torch.tensor(active, device=device)
+        rows_N = torch.tensor(active, device=device)
+        n_N = torch.tensor([self.n[s] for s in active], device=device)
+        t0 = _now(self.seq_BS)
+        if gamma > 0:
+            draft_NG, q_NGV = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
+        t1 = _now(self.seq_BS)
+        pending_N = self.seq_BS[rows_N, n_N]
+        tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
+        out = score_tokens(self.model, self.cache, tokens_NT, rows_t,
+                           tap_layers=self.drafter.tap_layers)
+        t2 = _now(self.seq_BS)
+        N, T, V = out.logits.shape
+        if gamma == 0:
+            ids_N, _ = sample_tokens(out.logits[:, 0], sampling, generator)
+            num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
+        else:
+            p = probs_from_logits(out.logits.reshape(N * T, V), sampling.temperature,
+                                  sampling.top_k, sampling.top_p).view(N, T, V)
+            verdict = verify_drafts(p, q_NGV, draft_NG, generator)
+            num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
+        logprobs_NT = sampling_logprobs_NV(out.logits.reshape(N * T, V), sampling).view(N, T, V)
+        logprobs_NT = logprobs_NT.gather(-1, emitted_NT[..., None])[..., 0]
+        # Histories: tokens at n+1.., the features of positions n.. at entries n+1..
+        cols_NT = n_N[:, None] + 1 + torch.arange(T, device=device)
+        self.seq_BS[rows_N[:, None], cols_NT] = emitted_NT
+        if self.feat_BSF is not None:
+            self.feat_BSF[rows_N[:, None], cols_NT] = self.drafter.features(out.taps).to(
+                self.feat_BSF.dtype)
+        self.cache.truncate(n_N + 1 + num_accepted, rows_t)  # keep s_n and the accepted drafts
+        ks = num_accepted.tolist()  # device sync: the host needs the counts to record tokens
+        emitted, lps = emitted_NT.tolist(), logprobs_NT.tolist()
+        self._account(active, gamma, ks, t1 - t0, t2 - t1)
+        for s, k in zip(active, ks):
+            self.n[s] += k + 1
+        self._record(active, [row[:k + 1] for row, k in zip(emitted, ks)],
+                     [row[:k + 1] for row, k in zip(lps, ks)], sampling, done, on_finish)
+        return t1 - t0, t2 - t1
+
+    def _draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
+        """Catch the draft up on every unseen entry, then draft `gamma` tokens per row.
+        Returns (drafts long [N, G], q fp32 [N, G, V])."""
+        device = self.seq_BS.device
+        e_N = torch.tensor([self.e[s] for s in active], device=device)
+        width_N = n_N - e_N + 1  # entries e..n, n being the pending token's
+        W = max(self.n[s] - self.e[s] + 1 for s in active)
+        idx_NW = torch.minimum(e_N[:, None] + torch.arange(W, device=device), n_N[:, None])
+        feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NW]
+        logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
+                                     rows_t, width_N)
+        last = torch.arange(len(active), device=device), width_N - 1
+        logits_NV, state_NC = logits[last], None if state is None else state[last]
+        drafts, qs = [], []
+        for j in range(gamma):
+            q_NV = probs_from_logits(logits_NV, sampling.temperature, sampling.top_k, sampling.top_p)
+            x_N = sample(q_NV, generator)
+            drafts.append(x_N)
+            qs.append(q_NV)
+            if j + 1 < gamma:
+                logits, state = self.drafter(self.draft_cache, x_N[:, None],
+                                             None if state_NC is None else state_NC[:, None], rows_t)
+                logits_NV, state_NC = logits[:, 0], None if state is None else state[:, 0]
+        self.draft_cache.truncate(n_N + 1, rows_t)  # drop the speculative entries
+        for s in active:
+            self.e[s] = self.n[s] + 1
+        return torch.stack(drafts, 1), torch.stack(qs, 1)
+
+    def _account(self, active, gamma, ks, draft_s, verify_s) -> None:
+        st = self.stats
+        st.gamma_counts[gamma] = st.gamma_counts.get(gamma, 0) + 1
+        st.row_steps += len(active)
+        st.step_tokens += sum(ks) + len(ks)
+        for s, k in zip(active, ks):
+            counts = self.row_counts[self.slots[s].index]
+            counts[0] += 1
+            counts[1] += k + 1
+            for j in range(min(k + 1, gamma)):
+                st.reached[j] += 1
+                st.accepted[j] += j < k
+        if self.controller is not None:
+            self.controller.cost.observe_verify(len(active), gamma + 1, verify_s)
+            if gamma > 0:
+                self.controller.cost.observe_draft(len(active), draft_s / gamma)
+                self.controller.observe_acceptance(gamma, ks)
+
+    def _record(self, slots, tokens, logprobs, sampling, done, on_finish) -> None:
+        for s, toks, lps in zip(slots, tokens, logprobs):
+            row = self.slots[s]
+            if append_until_finished(row, toks, lps, max_new_tokens=sampling.max_new_tokens,
+                                     capacity=self.capacity, eos_id=self.eos_id):
+                done[row.index], self.slots[s] = row, None
+                on_finish()
+
+
+def _now(like: Tensor) -> float:
+    """Wall time; on CUDA after a device sync, so phases are timed, not their launches."""
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)
+    return time.perf_counter()
+
+
+def calibrate(engine: SpeculativeEngine, *, context: int = 32, repeats: int = 2) -> None:
+    """Measure verify(N, T) for T = 1..G+1 and draft(N) at N = 1, 2, 4, .. and the batch size,
+    into the engine controller's cost model (the online averages refine it during generation).
+    Uses the engine's own caches on dummy tokens and leaves them empty."""
+    cost, B, G = engine.controller.cost, engine.batch_size, engine.gamma
+    device = engine.seq_BS.device
+    sizes = sorted({min(2 ** i, B) for i in range(B.bit_length() + 1)})
+    context = min(context, engine.capacity - 1)
+    for N in sizes:
+        rows_t = None if N == B else torch.arange(N, device=device)
+        for T in range(1, G + 2):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first call warms up
+                engine.cache.reset()
+                engine.cache.advance(context)
+                t0 = _now(engine.seq_BS)
+                score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device), rows_t)
+                best = min(best, _now(engine.seq_BS) - t0)
+            cost.observe_verify(N, T, best)
+        best = float("inf")
+        feats = (None if engine.feat_BSF is None
+                 else torch.zeros(N, 1, engine.feat_BSF.shape[-1], device=device,
+                                  dtype=engine.feat_BSF.dtype))
+        for _ in range(repeats + 1):
+            engine.draft_cache.reset()
+            engine.draft_cache.advance(context)
+            t0 = _now(engine.seq_BS)
+            engine.drafter(engine.draft_cache, torch.full((N, 1), 4, device=device), feats, rows_t)
+            best = min(best, _now(engine.seq_BS) - t0)
+        cost.observe_draft(N, best)
+    engine.cache.reset()
+    engine.draft_cache.reset()
+

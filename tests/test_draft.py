@@ -1,0 +1,128 @@
+"""Specification of the EAGLE-3 draft: its shape rules, its TTT unroll, training and checkpoints.
+
+The central property: the training-time-test unroll (`cospec.draft.ttt`) computes, for every anchor
+and step, exactly the logits the draft produces in decoding (`cospec.rollout.drafter` on its KV
+cache) when the drafted tokens are the sequence's own. So what the draft is trained on is what it is
+asked in rollouts. Tolerance 1e-5 (fp32; the two paths differ in summation order only).
+"""
+
+import pytest
+import torch
+
+from cospec.config import ModelConfig, resolve
+from cospec.draft.offline import train_draft_offline
+from cospec.draft.ttt import TTTBatch, entry_features, ttt_loss, ttt_unroll
+from cospec.models.draft import Eagle3Draft, default_tap_layers
+from cospec.models.draft_checkpoint import load_draft, save_draft
+from cospec.models.llama import Transformer
+from cospec.rollout.drafter import make_drafter
+
+CFG = ModelConfig(vocab_size=50, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
+                  intermediate_size=64, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def policy():
+    torch.manual_seed(0)
+    return Transformer(CFG).eval()
+
+
+def test_default_tap_layers_are_low_mid_high_and_clamped():
+    assert default_tap_layers(32) == (1, 15, 28)
+    assert default_tap_layers(6) == (1, 2, 3)
+    assert default_tap_layers(4) == (1, 2, 3)
+    assert default_tap_layers(2) == (1, 1, 1)
+
+
+def test_tap_layers_outside_the_policy_are_a_clear_error():
+    with pytest.raises(ValueError, match="tap_layers"):
+        Eagle3Draft(CFG, tap_layers=(1, 2, 6))
+
+
+def test_draft_feature_of_the_wrong_width_is_a_clear_error(policy):
+    draft = Eagle3Draft.from_policy(policy)
+    with pytest.raises(ValueError, match="draft feature must be"):
+        draft(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, 16))
+
+
+def packed_batch(policy, draft, lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(4, CFG.vocab_size, (sum(lengths),), generator=gen)
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
+    with torch.no_grad():
+        out = policy(tokens[None], cu_seqlens=cu, tap_layers=draft.tap_layers)
+    return TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=torch.ones(len(tokens)),
+                    taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
+
+
+@torch.no_grad()
+def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy):
+    torch.manual_seed(1)
+    draft = Eagle3Draft.from_policy(policy).eval()
+    lengths, steps = [9, 5, 12], 4
+    batch = packed_batch(policy, draft, lengths)
+    feat = entry_features(draft, batch.taps, batch.cu_seqlens)
+    logits, valid = ttt_unroll(draft, batch.tokens, feat, batch.cu_seqlens, steps)
+    drafter = make_drafter(draft)
+    for seq, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
+        for anchor in range(start, end):
+            # Decoding: catch up on entries start..anchor, then feed the sequence's next tokens as
+            # if they had been drafted, each step on the previous step's hidden.
+            cache = drafter.new_cache(1, 32)
+            out, state = drafter(cache, batch.tokens[None, start:anchor + 1],
+                                 feat[None, start:anchor + 1], None)
+            step_logits, h = out[0, -1], state[0, -1]
+            for j in range(steps):
+                assert bool(valid[j][anchor]) == (anchor + j < end)
+                if anchor + j >= end:
+                    break
+                torch.testing.assert_close(logits[j][anchor], step_logits, atol=1e-5, rtol=0,
+                                           msg=lambda m: f"seq {seq} anchor {anchor} step {j + 1}: {m}")
+                if anchor + j + 1 < end:
+                    out, state = drafter(cache, batch.tokens[None, None, anchor + j + 1], h[None, None], None)
+                    step_logits, h = out[0, -1], state[0, -1]
+
+
+def test_ttt_loss_falls_on_a_fixed_policy_and_never_reaches_the_policy():
+    torch.manual_seed(2)
+    policy = Transformer(CFG)
+    policy.reset_parameters(std=0.3)  # peaky: the draft has a distribution worth learning
+    draft = Eagle3Draft.from_policy(policy.eval())
+    batch = packed_batch(policy, draft, [20, 14, 30])
+    opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
+    losses, tvs = [], []
+    for _ in range(30):
+        loss, metrics = ttt_loss(draft, batch, num_steps=3)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        tvs.append(metrics["tv"])
+    assert losses[-1] < 0.8 * losses[0]
+    assert all(last < first for first, last in zip(tvs[0], tvs[-1]))  # every TTT step improves
+    assert all(p.grad is None for p in policy.parameters())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "lm"])
+def test_saved_draft_loads_back_identical(tmp_path, policy, kind):
+    cfg = resolve("tiny", overrides=[f"draft.kind={kind}"])
+    from cospec.draft.offline import build_draft
+
+    draft = build_draft(cfg, Transformer(cfg.model))
+    save_draft(draft, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d")
+    assert type(loaded) is type(draft)
+    for (n, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n
+
+
+def test_offline_training_raises_the_drafts_acceptance(tmp_path):
+    """A few steps on a tiny random policy; acceptance (1 - TV, teacher-forced) goes up."""
+    cfg = resolve("tiny", overrides=["draft.train_steps=25", "draft.num_train_prompts=24",
+                                     "sampling.max_new_tokens=12", "draft.lr=5e-3"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    policy.reset_parameters(std=0.2)
+    draft, metrics = train_draft_offline(cfg, policy.eval(), progress=False)
+    assert metrics["loss_history"][-1] < metrics["loss_history"][0]
+    assert metrics["num_tokens"] > 0
