@@ -157,6 +157,59 @@ def cmd_draft_train(args) -> int:
     return 0
 
 
+def check_resumable(cfg: RunConfig, stored: dict) -> None:
+    """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow)."""
+    now = cfg.to_dict()
+    diffs = []
+    for section in sorted(set(now) | set(stored)):
+        a, b = now.get(section), stored.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != _listify(b.get(k)) and f"{section}.{k}" != "grpo.steps":
+                    diffs.append(f"{section}.{k}: checkpoint {b.get(k)!r}, now {a.get(k)!r}")
+        elif a != b:
+            diffs.append(f"{section}: checkpoint {b!r}, now {a!r}")
+    if diffs:
+        raise ConfigError("--resume with a different config than the checkpoint's: " + "; ".join(diffs))
+
+
+def _listify(v):
+    return tuple(v) if isinstance(v, list) else v
+
+
+def cmd_train(args) -> int:
+    """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts."""
+    import shutil
+
+    from cospec.draft.offline import load_or_train_draft
+    from cospec.rl.checkpoint import latest_checkpoint
+    from cospec.rl.trainer import GRPOTrainer, check_rl_config
+
+    cfg = _resolve(args)
+    check_rl_config(cfg)
+    device = pick_device(cfg.device)
+    rl_dir = Path(cfg.out_dir) / "rl"
+    last = latest_checkpoint(rl_dir / "checkpoints")
+    if last is not None and not args.resume:
+        if not args.fresh:
+            raise ConfigError(f"out_dir: {rl_dir} holds checkpoints; pass --resume to continue "
+                              f"that run or --fresh to discard it")
+        shutil.rmtree(rl_dir)
+    if last is not None and args.resume:
+        check_resumable(cfg, json.loads((last / "config.json").read_text()))
+    torch.manual_seed(cfg.grpo.seed)
+    policy, _ = load_or_train_sft(cfg, device)
+    draft = load_or_train_draft(cfg, policy)[0] if cfg.rollout.speculative else None
+    trainer = GRPOTrainer(cfg, policy, draft=draft)
+    history = trainer.run(resume=args.resume)
+    if history:
+        first, last_m = history[0], history[-1]
+        print(f"GRPO: steps {trainer.step}, reward {first['reward']:.3f} -> {last_m['reward']:.3f}, "
+              f"generation {sum(h['time']['generate'] for h in history) / sum(h['step_seconds'] for h in history):.0%} "
+              f"of step time; logs in {rl_dir}/metrics.jsonl")
+    return 0
+
+
 def cmd_bench(args) -> int:
     from cospec.bench import generation
 
@@ -192,6 +245,11 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("draft-train", help="train a draft on the SFT policy's samples")
     _config_args(t)
     t.set_defaults(fn=cmd_draft_train)
+    r = sub.add_parser("train", help="GRPO from the SFT policy (plain or speculative rollouts)")
+    _config_args(r)
+    r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")
+    r.set_defaults(fn=cmd_train)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument("what", choices=["generation", "rollout"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")

@@ -204,6 +204,56 @@ class RolloutConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GRPOConfig:
+    #: RL steps (one rollout batch each)
+    steps: int = 40
+    #: prompts per step; each is answered group_size times
+    prompts_per_step: int = 16
+    #: rollouts per prompt (the group whose rewards normalise the advantage)
+    group_size: int = 8
+    #: "mean_std" (GRPO) or "mean" (Dr. GRPO): how rewards become advantages within a group
+    advantage: str = "mean_std"
+    #: AdamW learning rate (constant)
+    lr: float = 1e-4
+    #: AdamW weight decay
+    weight_decay: float = 0.0
+    #: lower clip range of the importance ratio (1 - clip_low)
+    clip_low: float = 0.2
+    #: upper clip range of the importance ratio (1 + clip_high; DAPO's clip-higher)
+    clip_high: float = 0.28
+    #: weight of the KL(policy || initial policy) penalty (0 = off; the KL is logged either way)
+    kl_coef: float = 0.0
+    #: optimizer steps per rollout batch (the batch is split into this many minibatches)
+    micro_steps: int = 1
+    #: gradient clipping by global norm (0 = off)
+    grad_clip: float = 1.0
+    #: a response that ends without EOS (cut by max_new_tokens) earns 0 reward
+    require_eos: bool = True
+    #: save a checkpoint every this many steps (and at the end)
+    checkpoint_every: int = 10
+    #: checkpoints kept on disk (oldest deleted first)
+    keep_checkpoints: int = 2
+    #: seed of the RL run (rollout sampling, prompt stream)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for n in ("steps", "prompts_per_step", "micro_steps", "checkpoint_every", "keep_checkpoints"):
+            _check(getattr(self, n) > 0, f"grpo.{n}", f"must be positive, got {getattr(self, n)}")
+        _check(self.group_size >= 2, "grpo.group_size",
+               f"must be >= 2 (advantages compare rollouts of one prompt), got {self.group_size}")
+        _check(self.advantage in ("mean_std", "mean"), "grpo.advantage",
+               f"must be mean_std or mean, got {self.advantage!r}")
+        _check(self.lr > 0, "grpo.lr", f"must be positive, got {self.lr}")
+        _check(self.weight_decay >= 0, "grpo.weight_decay", "must be >= 0")
+        _check(0 <= self.clip_low < 1, "grpo.clip_low", f"must be in [0, 1), got {self.clip_low}")
+        _check(self.clip_high >= 0, "grpo.clip_high", f"must be >= 0, got {self.clip_high}")
+        _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0")
+        _check(self.grad_clip >= 0, "grpo.grad_clip", "must be >= 0")
+        _check(self.micro_steps <= self.prompts_per_step * self.group_size, "grpo.micro_steps",
+               "must not exceed the rollouts per step (prompts_per_step * group_size)")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     #: where checkpoints, logs and reports go
     out_dir: str = "runs/default"
@@ -215,6 +265,7 @@ class RunConfig:
     sft: SFTConfig = field(default_factory=SFTConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
@@ -391,6 +442,7 @@ def tiny() -> RunConfig:
         "sft": {"steps": 20, "tokens_per_batch": 512, "warmup_steps": 2,
                 "eval_prompts_per_family": 8},
         "draft": {"train_steps": 10, "tokens_per_batch": 512, "num_train_prompts": 32},
+        "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "checkpoint_every": 2},
     })
 
 

@@ -1,0 +1,284 @@
+"""The GRPO loop: a sequence of named steps, each a small method.
+
+    generate -> score -> compute_advantages -> train_policy -> [train_draft: co-training issue]
+             -> sync_weights -> log -> checkpoint
+
+Rollouts come from the engine (`GenerationEngine`, or `SpeculativeEngine` with the draft when
+``rollout.speculative``), which runs on its *own copy* of the policy; `sync_weights` pushes the
+trainer's weights to it through the `WeightSync` seam after every update (in-process copy here).
+
+Data contract of one step (`RolloutBatch`), rollouts of a prompt contiguous, worked example with
+prompts_per_step = 2, group_size = 2: examples [e0, e0, e1, e1]; completions in the same order;
+rewards [1, 0, 0, 0]; advantages (mean_std) [1, -1, 0, 0]; the e1 group has equal rewards, so its
+advantages are 0 and it adds no gradient.
+
+Reproducibility: the prompt stream is a `random.Random` whose state is checkpointed, and every
+step's rollouts use a generator seeded from (grpo.seed, step), so a resumed run repeats exactly
+what an uninterrupted one does (bit-exact on CPU with plain or fixed-gamma rollouts; the adaptive
+controller picks gamma from measured wall-clock costs, so with it runs are equal in distribution,
+not bit for bit).
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cospec.config import ConfigError, RunConfig, SamplingConfig
+from cospec.metrics.run_log import RunLog
+from cospec.rl import grpo
+from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cospec.rl.tasks import Example, TaskSuite
+from cospec.rl.tokenizer import CharTokenizer, check_vocab
+from cospec.rl.weight_sync import InProcessWeightSync
+from cospec.rollout.engine import Completion, GenerationEngine
+from cospec.rollout.speculative import SpeculativeEngine
+from cospec.sft import pack_examples
+
+
+@dataclass
+class RolloutBatch:
+    """examples / completions: one per rollout (R = prompts_per_step * group_size);
+    rewards, advantages: float [R]; generate_seconds: wall time of the engine call;
+    stats: the engine's speculation statistics (None for plain rollouts)."""
+
+    examples: list[Example]
+    completions: list[Completion]
+    rewards: torch.Tensor
+    advantages: torch.Tensor | None
+    generate_seconds: float
+    num_tokens: int
+    stats: object | None = None
+
+
+def check_rl_config(cfg: RunConfig) -> None:
+    s = cfg.sampling
+    if s.top_k != 0 or s.top_p != 1.0:
+        raise ConfigError("sampling.top_k/top_p: must be off (0 / 1.0) for RL: the trainer's "
+                          "logprobs are of the temperature-scaled distribution only")
+    if s.temperature == 0:
+        raise ConfigError("sampling.temperature: must be > 0 for RL (greedy rollouts have no "
+                          "group variance to learn from)")
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: RunConfig, policy, *, draft=None, out_dir=None, tensorboard: bool = True):
+        check_rl_config(cfg)
+        check_vocab(cfg.model.vocab_size, CharTokenizer())
+        self.cfg, self.g = cfg, cfg.grpo
+        self.out_dir = out_dir or f"{cfg.out_dir}/rl"
+        self.device = next(policy.parameters()).device
+        self.policy = policy.train()
+        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
+        self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
+        self.weight_sync = InProcessWeightSync(self.rollout_policy)
+        self.draft = draft
+        self.suite, self.tok = TaskSuite(cfg.task), CharTokenizer()
+        self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
+        self.engine = self._make_engine()
+        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.g.lr, betas=(0.9, 0.99),
+                                           weight_decay=self.g.weight_decay)
+        self.step = 0
+        self.tensorboard = tensorboard
+
+    def _make_engine(self):
+        r, batch = self.cfg.rollout, self.cfg.sampling.batch_size
+        if not r.speculative:
+            return GenerationEngine(self.rollout_policy, batch_size=batch)
+        if self.draft is None:
+            raise ConfigError("rollout.speculative: needs a draft (cospec draft-train makes one)")
+        return SpeculativeEngine(self.rollout_policy, self.draft, batch_size=batch, gamma=r.gamma,
+                                 adaptive=r.adaptive, probe_every=r.probe_every)
+
+    # ------------------------------------------------------------------------- the named steps
+
+    def generate(self) -> RolloutBatch:
+        """Sample prompts_per_step prompts, answer each group_size times."""
+        examples = []
+        for _ in range(self.g.prompts_per_step):
+            ex = self.suite.sample(self.prompt_rng)
+            examples += [ex] * self.g.group_size
+        prompts = [self.suite.encode_prompt(e, self.tok) for e in examples]
+        s = self.cfg.sampling
+        sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+        gen = torch.Generator(device=self.device).manual_seed(self.g.seed * 1_000_003 + self.step)
+        result = self.engine.generate(prompts, sampling, generator=gen)
+        return RolloutBatch(examples=examples, completions=result.completions, rewards=None,
+                            advantages=None, generate_seconds=result.seconds,
+                            num_tokens=result.num_tokens, stats=getattr(result, "stats", None))
+
+    def score(self, batch: RolloutBatch) -> None:
+        rewards = []
+        for ex, c in zip(batch.examples, batch.completions):
+            if self.g.require_eos and c.finish_reason != "eos":
+                rewards.append(0.0)
+            else:
+                rewards.append(self.suite.reward(ex, self.tok.decode(c.tokens)))
+        batch.rewards = torch.tensor(rewards)
+
+    def compute_advantages(self, batch: RolloutBatch) -> None:
+        batch.advantages = grpo.group_advantages(batch.rewards, self.g.group_size, self.g.advantage)
+
+    def train_policy(self, batch: RolloutBatch) -> dict:
+        """micro_steps optimizer steps over minibatches of the rollouts (old logprobs: the
+        rollout's). Returns the loss, clip, KL, entropy and train/inference mismatch metrics."""
+        order = list(range(len(batch.completions)))
+        chunks = [order[i::self.g.micro_steps] for i in range(self.g.micro_steps)]
+        logs = []
+        for k, idx in enumerate(chunks):
+            logs.append(self._train_minibatch(batch, idx, measure_mismatch=k == 0))
+        out = {key: sum(l[key] for l in logs) / len(logs) for key in logs[0] if key != "mismatch"}
+        out.update(logs[0]["mismatch"])
+        return out
+
+    def _train_minibatch(self, batch: RolloutBatch, idx: list[int], measure_mismatch: bool) -> dict:
+        packed = pack_examples([(batch.completions[i].prompt + batch.completions[i].tokens,
+                                 [0] * len(batch.completions[i].prompt) + [1] * len(batch.completions[i].tokens))
+                                for i in idx])
+        tokens, cu = packed.tokens.to(self.device), packed.cu_seqlens.to(self.device)
+        targets, mask = packed.targets[0].to(self.device), packed.loss_mask[0].to(self.device)
+        # Per-token old logprobs and advantages, laid out like the packed targets.
+        old, adv = torch.zeros_like(mask), torch.zeros_like(mask)
+        for j, i in enumerate(idx):
+            c = batch.completions[i]
+            end = int(cu[j + 1])
+            n = len(c.tokens)
+            old[end - n:end] = torch.tensor(c.logprobs, device=self.device)
+            adv[end - n:end] = float(batch.advantages[i])
+        temperature = self.cfg.sampling.temperature
+        logits = self.policy(tokens, cu_seqlens=cu).logits[0]
+        logp = grpo.token_logprobs(logits, targets, temperature)
+        with torch.no_grad():
+            ref_logits = self.reference(tokens, cu_seqlens=cu).logits[0]
+            kl_T = grpo.kl_to_reference(logits.detach(), ref_logits, temperature)
+        kl_for_loss = grpo.kl_to_reference(logits, ref_logits, temperature) if self.g.kl_coef else kl_T
+        out = grpo.clipped_policy_loss(logp, old, adv, mask, clip_low=self.g.clip_low,
+                                       clip_high=self.g.clip_high, kl_T=kl_for_loss,
+                                       kl_coef=self.g.kl_coef)
+        self.optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.g.grad_clip)
+                     if self.g.grad_clip > 0 else torch.zeros(()))
+        self.optimizer.step()
+        m = mask > 0
+        diff = (logp.detach() - old)[m]
+        mismatch = {}
+        if measure_mismatch:  # before any update of this step: trainer vs rollout, same weights
+            mismatch = {"mismatch_mean_abs_logprob": diff.abs().mean().item(),
+                        "mismatch_token_mult_prob_error": diff.abs().exp().mean().item()}
+        return {"loss": out.loss.item(), "clip_fraction": out.clip_fraction,
+                "kl_from_init": kl_T[m].mean().item(),
+                "entropy": grpo.token_entropy(logits.detach(), temperature)[m].mean().item(),
+                "grad_norm": float(grad_norm), "mismatch": mismatch}
+
+    def sync_weights(self) -> None:
+        self.weight_sync.push(self.policy)
+
+    def step_metrics(self, batch: RolloutBatch, train: dict, seconds: dict) -> dict:
+        rewards = batch.rewards.tolist()
+        by_family: dict[str, list[float]] = {}
+        for ex, r in zip(batch.examples, rewards):
+            by_family.setdefault(ex.family, []).append(r)
+        lengths = sorted(len(c.tokens) for c in batch.completions)
+        total = sum(seconds.values())
+        m = {"reward": sum(rewards) / len(rewards),
+             "reward_by_family": {k: sum(v) / len(v) for k, v in sorted(by_family.items())},
+             "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+             "response_length": {"mean": sum(lengths) / len(lengths),
+                                 "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1]},
+             **train,
+             "time": {k: v for k, v in seconds.items()},
+             "time_share": {k: v / total for k, v in seconds.items()},
+             "step_seconds": total,
+             "rollout_tok_s": batch.num_tokens / max(batch.generate_seconds, 1e-9)}
+        if batch.stats is not None:
+            m["accept_length"] = batch.stats.accept_length
+            m["acceptance_by_position"] = batch.stats.acceptance_by_position
+        return m
+
+    # ------------------------------------------------------------------------- run, save, resume
+
+    def run_step(self) -> dict:
+        t0 = time.perf_counter()
+        batch = self.generate()
+        t1 = time.perf_counter()
+        self.score(batch)
+        self.compute_advantages(batch)
+        t2 = time.perf_counter()
+        train = self.train_policy(batch)
+        t3 = time.perf_counter()
+        self.sync_weights()
+        t4 = time.perf_counter()
+        self.step += 1
+        return self.step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
+                                                "other": (t2 - t1) + (t4 - t3)})
+
+    def trainer_state(self) -> dict:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "torch_rng": torch.get_rng_state(), "prompt_rng": self.prompt_rng.getstate()}
+
+    def save(self) -> None:
+        save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=self.policy,
+                        trainer_state=self.trainer_state(), config=self.cfg.to_dict(),
+                        draft=self.draft, keep=self.g.keep_checkpoints)
+
+    def restore(self, ckpt: dict) -> None:
+        with torch.no_grad():
+            for name, t in self.policy.state_dict().items():
+                t.copy_(ckpt["policy"].state_dict()[name])
+        if self.draft is not None and ckpt["draft"] is not None:
+            with torch.no_grad():
+                for name, t in self.draft.state_dict().items():
+                    t.copy_(ckpt["draft"].state_dict()[name])
+        st = ckpt["trainer_state"]
+        self.optimizer.load_state_dict(st["optimizer"])
+        torch.set_rng_state(st["torch_rng"])
+        self.prompt_rng.setstate(_as_tuple(st["prompt_rng"]))
+        self.step = st["step"]
+        self.sync_weights()
+
+    def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
+        """Train until grpo.steps; with `resume`, continue from the latest checkpoint."""
+        from cospec.metrics.progress import progress_bar
+
+        resume_step = None
+        if resume:
+            path = latest_checkpoint(f"{self.out_dir}/checkpoints")
+            if path is not None:
+                self.restore(load_checkpoint(path, device=self.device))
+                resume_step = self.step
+                print(f"resumed from {path} (step {self.step})")
+        log = RunLog(f"{self.out_dir}/metrics.jsonl",
+                     f"{self.out_dir}/tb" if self.tensorboard else None, resume_step=resume_step)
+        history = []
+        try:
+            with progress_bar(progress, self.g.steps - self.step, "grpo") as advance:
+                while self.step < self.g.steps:
+                    metrics = self.run_step()
+                    log.log(self.step, metrics)
+                    history.append(metrics)
+                    if self.step % self.g.checkpoint_every == 0 or self.step == self.g.steps:
+                        self.save()
+                    if on_step is not None:
+                        on_step(self.step, metrics)
+                    advance(console_line(metrics))
+        finally:
+            log.close()
+        return history
+
+
+def console_line(m: dict) -> str:
+    line = (f"reward {m['reward']:.3f} kl {m['kl_from_init']:.4f} len {m['response_length']['mean']:.1f} "
+            f"gen {m['time_share']['generate']:.0%} {m['rollout_tok_s']:.0f} tok/s")
+    if "accept_length" in m:
+        line += f" tau {m['accept_length']:.2f}"
+    return line
+
+
+def _as_tuple(x):
+    """random.Random state comes back from torch.load with lists where tuples were."""
+    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
