@@ -202,11 +202,28 @@ def cmd_train(args) -> int:
     draft = load_or_train_draft(cfg, policy)[0] if cfg.rollout.speculative else None
     trainer = GRPOTrainer(cfg, policy, draft=draft)
     history = trainer.run(resume=args.resume)
+    from cospec.metrics.run_log import read_jsonl
+
+    rows = read_jsonl(rl_dir / "metrics.jsonl")
+    evals = [(r["step"], r["eval_reward"]) for r in rows if "eval_reward" in r]
     if history:
-        first, last_m = history[0], history[-1]
-        print(f"GRPO: steps {trainer.step}, reward {first['reward']:.3f} -> {last_m['reward']:.3f}, "
-              f"generation {sum(h['time']['generate'] for h in history) / sum(h['step_seconds'] for h in history):.0%} "
-              f"of step time; logs in {rl_dir}/metrics.jsonl")
+        share = sum(h["time"]["generate"] for h in history) / sum(h["step_seconds"] for h in history)
+        line = f"GRPO: {trainer.step} steps; generation {share:.0%} of step time"
+        if evals:
+            line += "; held-out reward " + " -> ".join(f"{v:.3f} (step {s})" for s, v in evals)
+        print(line + f"; logs in {rl_dir}/metrics.jsonl")
+    return 0
+
+
+def cmd_experiment(args) -> int:
+    from cospec.experiments import stale_draft
+
+    cfg = _resolve(args)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in stale_draft.MODES]
+    if unknown:
+        raise ConfigError(f"--modes: unknown {unknown} (known: {', '.join(stale_draft.MODES)})")
+    stale_draft.run_cli(cfg, modes=modes)
     return 0
 
 
@@ -250,6 +267,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")
     r.set_defaults(fn=cmd_train)
+    e = sub.add_parser("experiment", help="experiments whose figures go to docs/results")
+    e.add_argument("what", choices=["stale-draft"])
+    e.add_argument("--modes", default="none,frozen,cotrain-ce,cotrain-tv",
+                   help="comma-separated: none, frozen, cotrain-ce, cotrain-tv, oracle")
+    _config_args(e)
+    e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument("what", choices=["generation", "rollout"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")

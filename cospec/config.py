@@ -173,8 +173,29 @@ class DraftConfig:
     ttt_decay: float = 0.8
     #: torch manual seed of draft init and training
     seed: int = 0
+    #: with speculative rollouts: "frozen" (the offline draft, never updated), "cotrain" (trained
+    #: every cotrain_every RL steps on that step's policy features), "oracle" (retrained offline on
+    #: the current policy every oracle_every steps: a measurement, not a method)
+    mode: str = "frozen"
+    #: co-training: train the draft every this many RL steps
+    cotrain_every: int = 1
+    #: co-training: draft optimizer steps per RL step (one pass over the step's minibatches each)
+    cotrain_iters: int = 1
+    #: co-training: AdamW learning rate of the draft
+    cotrain_lr: float = 1e-3
+    #: draft loss mix: 0 = soft cross-entropy only, 1 = total variation only
+    tv_weight: float = 0.0
+    #: oracle mode: retrain the draft on the current policy every this many RL steps
+    oracle_every: int = 10
 
     def __post_init__(self) -> None:
+        _check(self.mode in ("frozen", "cotrain", "oracle"), "draft.mode",
+               f"must be frozen, cotrain or oracle, got {self.mode!r}")
+        _check(self.cotrain_every > 0, "draft.cotrain_every", "must be positive")
+        _check(self.cotrain_iters > 0, "draft.cotrain_iters", "must be positive")
+        _check(self.cotrain_lr > 0, "draft.cotrain_lr", "must be positive")
+        _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
+        _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
         _check(self.kind in ("eagle3", "lm"), "draft.kind", f"must be eagle3 or lm, got {self.kind!r}")
         _check(len(self.tap_layers) in (0, 3), "draft.tap_layers",
                f"must name 3 layers (low, mid, high) or none for the default, got {list(self.tap_layers)}")
@@ -235,8 +256,14 @@ class GRPOConfig:
     keep_checkpoints: int = 2
     #: seed of the RL run (rollout sampling, prompt stream)
     seed: int = 0
+    #: evaluate on held-out prompts at step 0 and every this many steps (0 = never)
+    eval_every: int = 10
+    #: held-out prompts of that evaluation (sampled at the rollout temperature, fixed seed)
+    eval_prompts: int = 256
 
     def __post_init__(self) -> None:
+        _check(self.eval_every >= 0, "grpo.eval_every", "must be >= 0")
+        _check(self.eval_prompts > 0, "grpo.eval_prompts", "must be positive")
         for n in ("steps", "prompts_per_step", "micro_steps", "checkpoint_every", "keep_checkpoints"):
             _check(getattr(self, n) > 0, f"grpo.{n}", f"must be positive, got {getattr(self, n)}")
         _check(self.group_size >= 2, "grpo.group_size",
@@ -270,6 +297,10 @@ class RunConfig:
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
                "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
+        _check(self.draft.mode == "frozen" or self.rollout.speculative, "draft.mode",
+               f"{self.draft.mode} needs speculative rollouts (rollout.speculative=true)")
+        _check(self.draft.mode != "cotrain" or self.draft.kind == "eagle3", "draft.mode",
+               "cotrain trains an eagle3 draft on the policy's features (draft.kind=eagle3)")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -442,7 +473,8 @@ def tiny() -> RunConfig:
         "sft": {"steps": 20, "tokens_per_batch": 512, "warmup_steps": 2,
                 "eval_prompts_per_family": 8},
         "draft": {"train_steps": 10, "tokens_per_batch": 512, "num_train_prompts": 32},
-        "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "checkpoint_every": 2},
+        "grpo": {"steps": 4, "prompts_per_step": 4, "group_size": 4, "checkpoint_every": 2,
+                 "eval_every": 2, "eval_prompts": 16},
     })
 
 

@@ -93,10 +93,10 @@ def test_one_step_raises_the_probability_of_above_average_rollouts(tmp_path):
 
 # ----------------------------------------------------------------------------- speculative RL
 
-def trainers_plain_and_speculative(tmp_path, *overrides):
+def trainers_plain_and_speculative(tmp_path, *spec_overrides):
     torch.manual_seed(0)
     cfg = tiny_cfg(f"out_dir={tmp_path}", "grpo.prompts_per_step=8", "grpo.group_size=8",
-                   "sampling.batch_size=32", "sampling.max_new_tokens=12", *overrides)
+                   "sampling.batch_size=32", "sampling.max_new_tokens=12")
     policy = Transformer(cfg.model)
     policy.reset_parameters(std=0.1)
     torch.manual_seed(1)
@@ -106,16 +106,18 @@ def trainers_plain_and_speculative(tmp_path, *overrides):
                                           "grpo.group_size=8", "sampling.batch_size=32",
                                           "sampling.max_new_tokens=12",
                                           "grpo.lr=3e-3", "rollout.speculative=true",
-                                          "rollout.adaptive=false", "rollout.gamma=3", *overrides])
+                                          "rollout.adaptive=false", "rollout.gamma=3", *spec_overrides])
     spec = GRPOTrainer(spec_cfg, policy, draft=draft, tensorboard=False)
     return plain, spec
 
 
-def test_plain_and_speculative_rl_rollouts_agree(tmp_path):
+@pytest.mark.parametrize("mode", ["frozen", "cotrain"])
+def test_plain_and_speculative_rl_rollouts_agree(tmp_path, mode):
     """Greedy: identical rollouts from the trainers' own engines. Sampling: two short RL runs whose
     response lengths (a statistic any sampling bug moves) agree by a chi-square two-sample test
-    (p > 1e-3), and whose trainer-vs-rollout logprob mismatch is ~0 (fp32 noise)."""
-    plain, spec = trainers_plain_and_speculative(tmp_path)
+    (p > 1e-3), and whose trainer-vs-rollout logprob mismatch is ~0 (fp32 noise). With co-training
+    the draft changes every step (and only the draft: its loss never reaches the policy)."""
+    plain, spec = trainers_plain_and_speculative(tmp_path, f"draft.mode={mode}")
     prompts = [plain.suite.encode_prompt(plain.suite.sample(plain.prompt_rng), plain.tok)
                for _ in range(24)]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=20)
@@ -130,6 +132,13 @@ def test_plain_and_speculative_rl_rollouts_agree(tmp_path):
             trainer.score(batch)
             trainer.compute_advantages(batch)
             m = trainer.train_policy(batch)
+            policy_before = [p.detach().clone() for p in trainer.policy.parameters()]
+            draft_before = trainer.draft and [p.detach().clone() for p in trainer.draft.parameters()]
+            trainer.train_draft()
+            assert all(torch.equal(a, b) for a, b in zip(policy_before, trainer.policy.parameters()))
+            if name == "spec":
+                changed = any(not torch.equal(a, b) for a, b in zip(draft_before, trainer.draft.parameters()))
+                assert changed == (mode == "cotrain")
             trainer.sync_weights()
             trainer.step += 1
             lengths[name] += [len(c.tokens) for c in batch.completions]
@@ -199,7 +208,8 @@ def test_sigkill_then_resume_ends_bit_identical_to_an_uninterrupted_run(tmp_path
         assert torch.equal(x, y), name
     from cospec.metrics.run_log import read_jsonl
 
-    ra, rb = read_jsonl(ref / "rl" / "metrics.jsonl"), read_jsonl(run / "rl" / "metrics.jsonl")
+    ra = [r for r in read_jsonl(ref / "rl" / "metrics.jsonl") if "reward" in r]  # not eval-only rows
+    rb = [r for r in read_jsonl(run / "rl" / "metrics.jsonl") if "reward" in r]
     assert [r["step"] for r in rb] == list(range(1, 7))
     assert [(r["reward"], r["loss"], r["entropy"]) for r in ra] == \
            [(r["reward"], r["loss"], r["entropy"]) for r in rb]

@@ -6,7 +6,7 @@ after that checkpoint by the run that died) are dropped first, and TensorBoard p
 after S, so the logs read like those of an uninterrupted run.
 
 Nested values (``{"reward": {"copy": 0.5}}``) go to TensorBoard as ``reward/copy``; lists as
-``name/0``, ``name/1`` ...; non-numbers are kept in JSONL only.
+``name/0``, ``name/1`` ...; non-numbers are kept in JSONL only; NaN is written as null.
 """
 
 from __future__ import annotations
@@ -28,6 +28,17 @@ def _scalars(prefix: str, value, out: dict[str, float]) -> None:
     elif isinstance(value, (list, tuple)):
         for i, v in enumerate(value):
             _scalars(f"{prefix}/{i}", v, out)
+
+
+def finite_or_none(value):
+    """NaN/inf -> None, recursively: JSON has no NaN, and browsers' JSON.parse rejects it."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite_or_none(v) for v in value]
+    return value
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -66,7 +77,7 @@ class RunLog:
                                         else resume_step + 1)
 
     def log(self, step: int, metrics: dict) -> None:
-        row = {"step": step, **metrics}
+        row = finite_or_none({"step": step, **metrics})
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.writer is not None:

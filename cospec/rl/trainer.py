@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import torch
 
 from cospec.config import ConfigError, RunConfig, SamplingConfig
+from cospec.draft.offline import train_draft_offline
+from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -76,7 +78,16 @@ class GRPOTrainer:
         self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
         self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
         self.weight_sync = InProcessWeightSync(self.rollout_policy)
+        # The trainer's draft (updated by co-training) and the engine's own copy of it, synced
+        # like the policy; frozen and oracle drafts go through the same path.
         self.draft = draft
+        self.rollout_draft = copy.deepcopy(draft).eval() if draft is not None else None
+        self.draft_sync = InProcessWeightSync(self.rollout_draft) if draft is not None else None
+        self.draft_optimizer = None
+        if draft is not None and cfg.draft.mode == "cotrain":
+            self.draft_optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.draft.cotrain_lr,
+                                                     betas=(0.9, 0.95), weight_decay=0.0)
+        self._draft_data: list[TTTBatch] = []
         self.suite, self.tok = TaskSuite(cfg.task), CharTokenizer()
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
         self.engine = self._make_engine()
@@ -91,7 +102,7 @@ class GRPOTrainer:
             return GenerationEngine(self.rollout_policy, batch_size=batch)
         if self.draft is None:
             raise ConfigError("rollout.speculative: needs a draft (cospec draft-train makes one)")
-        return SpeculativeEngine(self.rollout_policy, self.draft, batch_size=batch, gamma=r.gamma,
+        return SpeculativeEngine(self.rollout_policy, self.rollout_draft, batch_size=batch, gamma=r.gamma,
                                  adaptive=r.adaptive, probe_every=r.probe_every)
 
     # ------------------------------------------------------------------------- the named steps
@@ -150,7 +161,16 @@ class GRPOTrainer:
             old[end - n:end] = torch.tensor(c.logprobs, device=self.device)
             adv[end - n:end] = float(batch.advantages[i])
         temperature = self.cfg.sampling.temperature
-        logits = self.policy(tokens, cu_seqlens=cu).logits[0]
+        # Feature capture: the GRPO forward also yields the draft's training data, detached
+        # (taps are detached by the model; the logits here), so co-training costs no policy forward.
+        capture = self._cotrain_now()
+        out_policy = self.policy(tokens, cu_seqlens=cu,
+                                 tap_layers=self.draft.tap_layers if capture else ())
+        logits = out_policy.logits[0]
+        if capture:
+            self._draft_data.append(TTTBatch(tokens=tokens[0], cu_seqlens=cu, loss_mask=mask,
+                                             taps={k: v[0] for k, v in out_policy.taps.items()},
+                                             policy_logits=logits.detach()))
         logp = grpo.token_logprobs(logits, targets, temperature)
         with torch.no_grad():
             ref_logits = self.reference(tokens, cu_seqlens=cu).logits[0]
@@ -175,8 +195,59 @@ class GRPOTrainer:
                 "entropy": grpo.token_entropy(logits.detach(), temperature)[m].mean().item(),
                 "grad_norm": float(grad_norm), "mismatch": mismatch}
 
+    def _cotrain_now(self) -> bool:
+        return (self.draft_optimizer is not None
+                and (self.step + 1) % self.cfg.draft.cotrain_every == 0)
+
+    def train_draft(self) -> dict:
+        """Co-training: the TTT loss on this step's captured features (``cotrain``); or, every
+        oracle_every steps, an offline retrain on fresh samples of the current policy (``oracle``)."""
+        d = self.cfg.draft
+        if d.mode == "oracle" and (self.step + 1) % d.oracle_every == 0:
+            _, m = train_draft_offline(self.cfg, self.policy.eval(), draft=self.draft, progress=False)
+            self.policy.train()
+            return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
+        if not self._draft_data:
+            return {}
+        self.draft.train()
+        metrics: dict = {}
+        for _ in range(d.cotrain_iters):
+            for batch in self._draft_data:
+                loss, metrics = ttt_loss(self.draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                         temperature=self.cfg.sampling.temperature,
+                                         tv_weight=d.tv_weight)
+                self.draft_optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
+                self.draft_optimizer.step()
+        self.draft.eval()
+        self._draft_data = []
+        return {"draft_loss": loss.item(), "draft_acceptance_tf": metrics["acceptance"]}
+
+    def evaluate(self) -> dict:
+        """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
+        sampled at the rollout temperature with a fixed generator: a paired measure across steps
+        and runs, unlike the per-step training reward, whose prompts change every step."""
+        rng = random.Random(999_331)
+        examples = [self.suite.sample(rng) for _ in range(self.g.eval_prompts)]
+        s = self.cfg.sampling
+        result = self.engine.generate([self.suite.encode_prompt(e, self.tok) for e in examples],
+                                      SamplingConfig(temperature=s.temperature,
+                                                     max_new_tokens=s.max_new_tokens),
+                                      generator=torch.Generator(device=self.device).manual_seed(4242))
+        batch = RolloutBatch(examples=examples, completions=result.completions, rewards=None,
+                             advantages=None, generate_seconds=result.seconds, num_tokens=result.num_tokens)
+        self.score(batch)
+        fam: dict[str, list[float]] = {}
+        for ex, r in zip(examples, batch.rewards.tolist()):
+            fam.setdefault(ex.family, []).append(r)
+        return {"eval_reward": float(batch.rewards.mean()),
+                "eval_reward_by_family": {k: sum(v) / len(v) for k, v in sorted(fam.items())}}
+
     def sync_weights(self) -> None:
         self.weight_sync.push(self.policy)
+        if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
+            self.draft_sync.push(self.draft)
 
     def step_metrics(self, batch: RolloutBatch, train: dict, seconds: dict) -> dict:
         rewards = batch.rewards.tolist()
@@ -196,8 +267,7 @@ class GRPOTrainer:
              "step_seconds": total,
              "rollout_tok_s": batch.num_tokens / max(batch.generate_seconds, 1e-9)}
         if batch.stats is not None:
-            m["accept_length"] = batch.stats.accept_length
-            m["acceptance_by_position"] = batch.stats.acceptance_by_position
+            m.update(speculation_metrics(batch, seconds))
         return m
 
     # ------------------------------------------------------------------------- run, save, resume
@@ -211,15 +281,21 @@ class GRPOTrainer:
         t2 = time.perf_counter()
         train = self.train_policy(batch)
         t3 = time.perf_counter()
-        self.sync_weights()
+        train.update(self.train_draft())
         t4 = time.perf_counter()
+        self.sync_weights()
+        t5 = time.perf_counter()
         self.step += 1
         return self.step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
-                                                "other": (t2 - t1) + (t4 - t3)})
+                                                "train_draft": t4 - t3,
+                                                "other": (t2 - t1) + (t5 - t4)})
 
     def trainer_state(self) -> dict:
-        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                "torch_rng": torch.get_rng_state(), "prompt_rng": self.prompt_rng.getstate()}
+        state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                 "torch_rng": torch.get_rng_state(), "prompt_rng": self.prompt_rng.getstate()}
+        if self.draft_optimizer is not None:
+            state["draft_optimizer"] = self.draft_optimizer.state_dict()
+        return state
 
     def save(self) -> None:
         save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=self.policy,
@@ -236,10 +312,14 @@ class GRPOTrainer:
                     t.copy_(ckpt["draft"].state_dict()[name])
         st = ckpt["trainer_state"]
         self.optimizer.load_state_dict(st["optimizer"])
+        if self.draft_optimizer is not None:
+            self.draft_optimizer.load_state_dict(st["draft_optimizer"])
         torch.set_rng_state(st["torch_rng"])
         self.prompt_rng.setstate(_as_tuple(st["prompt_rng"]))
         self.step = st["step"]
-        self.sync_weights()
+        self.weight_sync.push(self.policy)
+        if self.draft_sync is not None:
+            self.draft_sync.push(self.draft)
 
     def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
         """Train until grpo.steps; with `resume`, continue from the latest checkpoint."""
@@ -256,9 +336,14 @@ class GRPOTrainer:
                      f"{self.out_dir}/tb" if self.tensorboard else None, resume_step=resume_step)
         history = []
         try:
+            if self.step == 0 and self.g.eval_every:
+                log.log(0, self.evaluate())
             with progress_bar(progress, self.g.steps - self.step, "grpo") as advance:
                 while self.step < self.g.steps:
                     metrics = self.run_step()
+                    if self.g.eval_every and (self.step % self.g.eval_every == 0
+                                              or self.step == self.g.steps):
+                        metrics.update(self.evaluate())
                     log.log(self.step, metrics)
                     history.append(metrics)
                     if self.step % self.g.checkpoint_every == 0 or self.step == self.g.steps:
@@ -269,6 +354,33 @@ class GRPOTrainer:
         finally:
             log.close()
         return history
+
+
+def speculation_metrics(batch: RolloutBatch, seconds: dict) -> dict:
+    """tau and acceptance overall, per position and per task family; overshoot by position; and
+    the cost account: draft-training time against the rollout time speculation saved."""
+    st = batch.stats
+    fam: dict[str, list[float]] = {}
+    for ex, judged, acc, tau in zip(batch.examples, st.per_row_judged, st.per_row_accepted,
+                                    st.per_row_accept_length):
+        f = fam.setdefault(ex.family, [0, 0, 0.0, 0])
+        f[0] += judged
+        f[1] += acc
+        f[2] += tau
+        f[3] += 1
+    m = {"accept_length": st.accept_length, "acceptance_by_position": st.acceptance_by_position,
+         "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
+         "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},
+         "overshoot_by_position": st.overshoot_by_position,
+         "gamma_counts": {str(k): v for k, v in sorted(st.gamma_counts.items())}}
+    if st.plain_decode_estimate_seconds is not None:
+        saved = st.plain_decode_estimate_seconds - st.draft_seconds - st.verify_seconds
+        net = saved - seconds.get("train_draft", 0.0)
+        step = sum(seconds.values())
+        m["cost"] = {"rollout_saved_seconds_est": saved, "draft_train_seconds": seconds.get("train_draft", 0.0),
+                     "net_saved_seconds_est": net, "e2e_speedup_est": (step + net) / step,
+                     "draft_train_share": seconds.get("train_draft", 0.0) / step}
+    return m
 
 
 def console_line(m: dict) -> str:

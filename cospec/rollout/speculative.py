@@ -45,7 +45,7 @@ from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResul
                                    append_until_finished, prefill_slots, score_tokens)
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import probs_from_logits, sample, sample_tokens, sampling_logprobs_NV
-from cospec.rollout.verify import verify_drafts
+from cospec.rollout.verify import overshoot_sums, verify_drafts
 
 
 @dataclass
@@ -56,8 +56,15 @@ class SpeculationStats:
         a step at G = 0 produces 1); counts all k+1 tokens of a step, also those a finishing row
         drops. per_row_accept_length: the same for each completion, in prompt order.
     acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
+    per_row_judged / per_row_accepted: drafted tokens of each completion that the policy judged
+        (those up to the first rejection) and accepted; their ratio is the row's acceptance.
     gamma_counts: steps taken at each gamma. Seconds: draft calls, verify forwards (or plain decode
     forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
+    plain_decode_estimate_seconds: what plain decoding of the same tokens would have cost by the
+        cost model (each step's tau rows-tokens at verify(N, 1) per token); None without a cost model.
+    overshoot_by_position[j], over all drafted tokens x at position j+1 (p, q as sampled):
+        log_q_over_p = mean log q(x) - log p(x) (p floored at 1e-12), frac_q_above_p = share with
+        q(x) > p(x), mass = mean sum_v max(0, q(v) - p(v)) (= TV(p, q) = 1 - acceptance probability).
     """
 
     row_steps: int = 0
@@ -66,9 +73,13 @@ class SpeculationStats:
     accepted: list[int] = field(default_factory=list)
     gamma_counts: dict[int, int] = field(default_factory=dict)
     per_row_accept_length: list[float] = field(default_factory=list)
+    per_row_judged: list[int] = field(default_factory=list)
+    per_row_accepted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0
+    plain_decode_estimate_seconds: float | None = None
+    overshoot_by_position: list[dict] = field(default_factory=list)
 
     @property
     def accept_length(self) -> float:
@@ -81,9 +92,10 @@ class SpeculationStats:
     def to_dict(self) -> dict:
         return {"accept_length": self.accept_length,
                 "acceptance_by_position": self.acceptance_by_position,
-                "per_row_accept_length": self.per_row_accept_length,
                 "gamma_counts": dict(self.gamma_counts), "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds}
+                "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds,
+                "plain_decode_estimate_seconds": self.plain_decode_estimate_seconds,
+                "overshoot_by_position": self.overshoot_by_position}
 
 
 @dataclass
@@ -138,7 +150,15 @@ class SpeculativeEngine(GenerationEngine):
                 calibrate(self)
             self._calibrated = True
         self.stats = SpeculationStats(reached=[0] * self.gamma, accepted=[0] * self.gamma)
+        if self.controller is not None:
+            self.stats.plain_decode_estimate_seconds = 0.0
+        # Overshoot sums per draft position, kept on the device: [log q/p, q > p, mass, count].
+        self._overshoot = torch.zeros(4, self.gamma, dtype=torch.float64, device=self.seq_BS.device)
         result = super().generate(prompts, sampling, generator=generator, progress=progress)
+        sums = self._overshoot.tolist()
+        self.stats.overshoot_by_position = [
+            {"log_q_over_p": sums[0][j] / sums[3][j], "frac_q_above_p": sums[1][j] / sums[3][j],
+             "mass": sums[2][j] / sums[3][j]} if sums[3][j] else {} for j in range(self.gamma)]
         return SpeculativeResult(**vars(result), stats=self.stats)
 
     # ------------------------------------------------------------------------- the loop
@@ -170,8 +190,10 @@ class SpeculativeEngine(GenerationEngine):
             self.stats.other_seconds += other_s
             if self.controller is not None:
                 self.controller.cost.observe_other(len(active), other_s)
-        self.stats.per_row_accept_length = [
-            self.row_counts[i][1] / max(self.row_counts[i][0], 1) for i in range(len(prompts))]
+        counts = [self.row_counts[i] for i in range(len(prompts))]
+        self.stats.per_row_accept_length = [c[1] / max(c[0], 1) for c in counts]
+        self.stats.per_row_judged = [c[2] for c in counts]
+        self.stats.per_row_accepted = [c[3] for c in counts]
         return done, num_forwards
 
     def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
@@ -179,7 +201,7 @@ class SpeculativeEngine(GenerationEngine):
         device = self.seq_BS.device
         for s, i in zip(free, indices):
             self.slots[s] = Completion(index=i, prompt=list(prompts[i]))
-            self.row_counts[i] = [0, 0]
+            self.row_counts[i] = [0, 0, 0, 0]  # steps, tokens, drafts judged, drafts accepted
         rows_N = torch.tensor(free, device=device)
         logits_NV, out = prefill_slots(self.model, self.cache, rows_N,
                                        [self.slots[s].prompt for s in free],
@@ -223,6 +245,7 @@ class SpeculativeEngine(GenerationEngine):
             p = probs_from_logits(out.logits.reshape(N * T, V), sampling.temperature,
                                   sampling.top_k, sampling.top_p).view(N, T, V)
             verdict = verify_drafts(p, q_NGV, draft_NG, generator)
+            self._add_overshoot(p[:, :gamma], q_NGV, draft_NG)
             num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
         logprobs_NT = sampling_logprobs_NV(out.logits.reshape(N * T, V), sampling).view(N, T, V)
         logprobs_NT = logprobs_NT.gather(-1, emitted_NT[..., None])[..., 0]
@@ -279,14 +302,21 @@ class SpeculativeEngine(GenerationEngine):
             counts = self.row_counts[self.slots[s].index]
             counts[0] += 1
             counts[1] += k + 1
+            counts[2] += min(k + 1, gamma)
+            counts[3] += k
             for j in range(min(k + 1, gamma)):
                 st.reached[j] += 1
                 st.accepted[j] += j < k
         if self.controller is not None:
+            plain_step = self.controller.cost.verify_cost(len(active), 1)
+            st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
             self.controller.cost.observe_verify(len(active), gamma + 1, verify_s)
             if gamma > 0:
                 self.controller.cost.observe_draft(len(active), draft_s / gamma)
                 self.controller.observe_acceptance(gamma, ks)
+
+    def _add_overshoot(self, p_NGV: Tensor, q_NGV: Tensor, draft_NG: Tensor) -> None:
+        self._overshoot[:, :draft_NG.shape[1]] += overshoot_sums(p_NGV, q_NGV, draft_NG)
 
     def _record(self, slots, tokens, logprobs, sampling, done, on_finish) -> None:
         for s, toks, lps in zip(slots, tokens, logprobs):

@@ -69,3 +69,17 @@ def verify_drafts(p_probs_NG1V: Tensor, q_probs_NGV: Tensor, draft_NG: Tensor,
     tokens = torch.cat([draft_NG, draft_NG[:, :1]], dim=1).scatter(1, num_accepted[:, None],
                                                                  next_token[:, None])
     return Verdict(num_accepted=num_accepted, next_token=next_token, tokens=tokens)
+
+
+def overshoot_sums(p_probs_NGV: Tensor, q_probs_NGV: Tensor, draft_NG: Tensor) -> Tensor:
+    """Per draft position, sums over the N rows (fp64 [4, G]) of: log q(x) - log p(x) (p floored at
+    1e-12), 1[q(x) > p(x)], the overshoot mass sum_v max(0, q(v) - p(v)), and 1 (the count).
+
+    The mass equals TV(p, q) = 1 - sum_v min(p, q): the probability that the drafted token is
+    rejected, so 1 - mass / count is the acceptance the drafts should show on average.
+    """
+    p_x = p_probs_NGV.gather(-1, draft_NG[..., None])[..., 0].double()
+    q_x = q_probs_NGV.gather(-1, draft_NG[..., None])[..., 0].double()
+    mass = (q_probs_NGV - p_probs_NGV).clamp(min=0).sum(-1).double()
+    return torch.stack([(q_x.log() - p_x.clamp(min=1e-12).log()).sum(0), (q_x > p_x).double().sum(0),
+                        mass.sum(0), torch.full_like(mass[0], draft_NG.shape[0])])

@@ -1,0 +1,177 @@
+"""`cospec experiment stale-draft`: does a draft trained once go stale as GRPO moves the policy, and
+does co-training keep it fresh?
+
+The same seeded RL run (same SFT policy, same prompt stream, same rollout seeds) under:
+    none           plain rollouts (the reference for reward and for step time)
+    frozen         speculative rollouts with the offline-trained draft, never updated
+    cotrain-ce     the same draft co-trained every step with soft cross-entropy
+    cotrain-tv     ... with total variation (= 1 - acceptance)
+    oracle         (--oracle) the draft retrained offline on the current policy every
+                   draft.oracle_every steps: the upper bound co-training should approach
+Speculation is lossless, so reward curves must agree up to sampling noise; tau per step shows the
+draft's freshness; the policy's KL from its start shows how far it moved. Gamma is fixed
+(rollout.gamma, adaptive off) so tau is comparable across steps and modes. Paired step times give
+the end-to-end speedup of each mode over `none` measured, not estimated.
+
+Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
+"config": ...}) and PNG plots beside it.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import torch
+
+from cospec.config import RunConfig, apply
+from cospec.metrics.run_log import finite_or_none
+
+MODES = {
+    "none": {"rollout": {"speculative": False}},
+    "frozen": {"rollout": {"speculative": True}, "draft": {"mode": "frozen"}},
+    "cotrain-ce": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 0.0}},
+    "cotrain-tv": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 1.0}},
+    "oracle": {"rollout": {"speculative": True}, "draft": {"mode": "oracle"}},
+}
+
+
+def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path):
+    from cospec.rl.trainer import GRPOTrainer
+
+    mcfg = apply(cfg, {**MODES[mode], "out_dir": str(out / mode)})
+    mcfg = apply(mcfg, {"rollout": {"adaptive": False}})
+    return GRPOTrainer(mcfg, copy.deepcopy(policy),
+                       draft=copy.deepcopy(draft) if mcfg.rollout.speculative else None,
+                       out_dir=str(out / mode), tensorboard=False)
+
+
+def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]:
+    """Step t of every mode, then step t + 1 of every mode, ...: slow drift of a shared machine
+    then hits all modes alike, which makes their step times comparable (paired)."""
+    from cospec.metrics.progress import progress_bar
+    from cospec.metrics.run_log import RunLog
+    from cospec.rl.trainer import console_line
+
+    runs: dict[str, list[dict]] = {m: [] for m in trainers}
+    logs = {m: RunLog(out / m / "metrics.jsonl") for m in trainers}
+    with progress_bar(True, steps * len(trainers), "stale-draft") as advance:
+        for _ in range(steps):
+            for mode, trainer in trainers.items():
+                metrics = trainer.run_step()
+                logs[mode].log(trainer.step, metrics)
+                runs[mode].append({"step": trainer.step, **metrics})
+                advance(f"{mode}: {console_line(metrics)}")
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    def mean(xs):
+        xs = [x for x in xs if x is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    k = max(1, len(next(iter(runs.values()))) // 5)  # first / last fifth of the run
+    # Times leave out step 1, which pays each trainer's one-time warm-up.
+    timed = {mode: hist[1:] or hist for mode, hist in runs.items()}
+    base_step = mean([m["step_seconds"] for m in timed["none"]]) if "none" in runs else None
+    out = {}
+    for mode, hist in runs.items():
+        row = {"reward_first": mean([m["reward"] for m in hist[:k]]),
+               "reward_last": mean([m["reward"] for m in hist[-k:]]),
+               "kl_last": mean([m["kl_from_init"] for m in hist[-k:]]),
+               "step_seconds": mean([m["step_seconds"] for m in timed[mode]]),
+               "generate_seconds": mean([m["time"]["generate"] for m in timed[mode]]),
+               "train_draft_share": mean([m["time_share"].get("train_draft", 0.0) for m in timed[mode]])}
+        if "accept_length" in hist[0]:
+            row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
+            row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
+            row["tau_retained"] = row["tau_last"] / row["tau_first"]
+        if base_step:
+            row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
+            row["rollout_speedup_vs_none"] = (mean([m["time"]["generate"] for m in timed["none"]])
+                                              / row["generate_seconds"])
+        out[mode] = row
+    return out
+
+
+def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for mode, hist in runs.items():
+        steps = [m["step"] if "step" in m else i + 1 for i, m in enumerate(hist)]
+        if "accept_length" in hist[0]:
+            ax1.plot(steps, [m["accept_length"] for m in hist], label=mode)
+        ax2.plot(steps, [m["kl_from_init"] for m in hist], label=mode)
+    ax1.set(xlabel="RL step", ylabel="tau (tokens per policy forward)", title="Draft freshness")
+    ax2.set(xlabel="RL step", ylabel="KL(policy || initial policy) per token", title="Policy movement")
+    ax1.legend(), ax2.legend()
+    fig.tight_layout()
+    paths.append(out / "tau_vs_step.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for mode, hist in runs.items():
+        ax.plot(range(1, len(hist) + 1), [m["reward"] for m in hist], label=mode, alpha=0.8)
+    ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "reward_vs_step.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    parts = ["generate", "train_policy", "train_draft", "other"]
+    bottom = [0.0] * len(runs)
+    for part in parts:
+        vals = [sum(m["time"].get(part, 0.0) for m in h) / len(h) for h in runs.values()]
+        ax.bar(list(runs), vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(ylabel="seconds per RL step", title="Step time split")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(out / "step_time_split.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None) -> dict:
+    from cospec.cli import load_or_train_sft, pick_device
+    from cospec.draft.offline import load_or_train_draft
+
+    device = pick_device(cfg.device)
+    out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
+    out.mkdir(parents=True, exist_ok=True)
+    policy, _ = load_or_train_sft(cfg, device)
+    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    trainers = {}
+    for mode in modes:
+        torch.manual_seed(cfg.grpo.seed)
+        trainers[mode] = make_trainer(cfg, mode, policy, draft, out)
+    runs = run_lockstep(trainers, cfg.grpo.steps, out)
+    result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
+    (out / "stale_draft.json").write_text(json.dumps(finite_or_none(result), indent=1))
+    plot(runs, out)
+    print(format_summary(result["summary"]))
+    print(f"wrote {out / 'stale_draft.json'} and plots in {out}")
+    return result
+
+
+def format_summary(summary: dict) -> str:
+    head = (f"{'mode':>11} {'reward first':>12} {'last':>6} {'KL last':>8} {'tau first':>9} {'last':>6} "
+            f"{'kept':>6} {'step s':>7} {'rollout x':>9} {'e2e x':>6} {'draft share':>11}")
+    lines = [head, "-" * len(head)]
+    for mode, r in summary.items():
+        f = lambda k, fmt: format(r[k], fmt) if k in r else "-"  # noqa: E731
+        lines.append(f"{mode:>11} {r['reward_first']:>12.3f} {r['reward_last']:>6.3f} {r['kl_last']:>8.3f} "
+                     f"{f('tau_first', '.2f'):>9} {f('tau_last', '.2f'):>6} {f('tau_retained', '.0%'):>6} "
+                     f"{r['step_seconds']:>7.2f} {f('rollout_speedup_vs_none', '.2f'):>9} "
+                     f"{f('e2e_speedup_vs_none', '.2f'):>6} {r['train_draft_share']:>11.1%}")
+    return "\n".join(lines)
