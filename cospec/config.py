@@ -148,6 +148,18 @@ class SFTConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    #: context-parallel ranks: each packed sequence is zigzag-sharded over them (ring attention)
+    cp: int = 1
+    #: pipeline-parallel stages
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.cp >= 1, "parallel.cp", f"must be >= 1, got {self.cp}")
+        _check(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     #: where checkpoints, logs and reports go
     out_dir: str = "runs/default"
@@ -157,6 +169,7 @@ class RunConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),
