@@ -123,6 +123,10 @@ def cmd_bench(args) -> int:
         rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in args.batch_sizes.split(",")],
                                   json_path=args.json)
         return 0 if rows else 1
+    if args.what == "cp":
+        from cospec.bench import cp
+
+        return 0 if cp.run_cli(args.quick, args.tokens, args.cp, args.json) else 1
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
@@ -140,8 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(d)
     d.set_defaults(fn=cmd_demo)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation"])
+    b.add_argument("what", choices=["generation", "cp"])
     b.add_argument("--batch-sizes", default="1,16,64")
+    b.add_argument("--quick", action="store_true", help="cp: short packed lengths")
+    b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
+    b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
     b.add_argument("--json", help="also write the rows as JSON to this path")
     _config_args(b)
     b.set_defaults(fn=cmd_bench)

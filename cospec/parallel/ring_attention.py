@@ -144,7 +144,7 @@ def _ring_backward(ring: _Ring, do_NHSD: Tensor, q_NHSD: Tensor, kv_2HkvLD: Tens
     return dq, dkv
 
 
-def _branch_backward(do_HLD, q_HLD, bk_JHkvLD, bv_JHkvLD, out_HLD, lse_HL, scale):
+def branch_backward(do_HLD, q_HLD, bk_JHkvLD, bv_JHkvLD, out_HLD, lse_HL, scale):
     """Step 6 (DESIGN.md): w_i = exp(s_i - L); ds_i = w_i <dO, v_i - O>; dq += ds_i scale k_i;
     dk_i += ds_i scale q; dv_i += w_i dO. Returns (dq [H, L, D], dk, dv [J, Hkv, L, D])."""
     H, L, D = q_HLD.shape
@@ -192,7 +192,7 @@ class _RingTrunkBranch(torch.autograd.Function):
         dq = hl.from_halves(dq_h)
         dbk = dbv = None
         if bk.shape[0] > 0:
-            dq_b, dbk, dbv = _branch_backward(do, q_HLD.to(dt), bk.to(dt), bv.to(dt), out, lse,
+            dq_b, dbk, dbv = branch_backward(do, q_HLD.to(dt), bk.to(dt), bv.to(dt), out, lse,
                                               scale)
             dq = dq + dq_b
             dbk, dbv = dbk.to(bk.dtype), dbv.to(bv.dtype)
