@@ -181,3 +181,27 @@ def test_ring_on_one_rank_is_the_reference_with_no_communication():
 
 def _one_rank_errors(rank, num_ranks):
     return _attention_errors(rank, num_ranks, CASES[3])
+
+
+def _stuck_neighbour(rank, num_ranks):
+    """Rank 1 stays alive but never joins the ring (stuck for 5 s); rank 0's ring pass must fail
+    on the process-group timeout, not wait for it."""
+    import time
+
+    if rank == 1:
+        time.sleep(5)
+        return None
+    q = torch.randn(2, 4, 8)
+    start = time.monotonic()
+    try:
+        ring_trunk_branch_attention(q, q, q, torch.tensor([0, 4]), check_ranks=False)
+    except RuntimeError as e:
+        return time.monotonic() - start, str(e)
+    return time.monotonic() - start, None
+
+
+@pytest.mark.slow
+def test_a_stuck_rank_fails_the_ring_after_the_process_group_timeout():
+    """Timeout 2 s: rank 0 raises RuntimeError after about 2 s, before its peer's 5 s are over."""
+    elapsed, error = spawn(_stuck_neighbour, 2, timeout_s=2)[0]
+    assert error is not None and elapsed < 4.5, (elapsed, error)

@@ -111,7 +111,8 @@ def _gathered_blocks(kv_2HkvLD, z, hl, stats):
     N = len(z.cu_seqlens) - 1
     full = full.view(2, full.shape[1], N, -1, full.shape[-1]).transpose(1, 2)  # [2, N, Hkv, Pn, D]
     pos_NS = hl.to_halves(z.local_positions(dist.get_rank())[None])[:, 0]
-    mask = torch.arange(full.shape[3])[None, None, :] <= pos_NS[:, :, None]  # [N, S, Pn]
+    key_pos = torch.arange(full.shape[3], device=pos_NS.device)
+    mask = key_pos[None, None, :] <= pos_NS[:, :, None]  # [N, S, Pn]
     return full[0], full[1], mask & hl.valid_NS[:, :, None]
 
 
@@ -205,10 +206,10 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_cli(quick: bool = False, token_counts: str | None = None, cp_values: str = "1,2,4",
-            json_path: str | None = None) -> list[dict]:
+            json_path: str | None = None, repeats: int = 1) -> list[dict]:
     tokens = token_counts or ("1024,2048" if quick else "4096,8192")
     rows = run(cp_values=[int(c) for c in cp_values.split(",")],
-               token_counts=[int(t) for t in tokens.split(",")])
+               token_counts=[int(t) for t in tokens.split(",")], repeats=repeats)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"results": rows}, f, indent=1)
@@ -221,8 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", help="comma-separated packed lengths (default 4096,8192)")
     p.add_argument("--cp", default="1,2,4", help="comma-separated context-parallel sizes")
     p.add_argument("--json", help="also write the rows as JSON to this path")
+    p.add_argument("--repeats", type=int, default=1, help="timed runs per row; the fastest counts")
     args = p.parse_args(argv)
-    return 0 if run_cli(args.quick, args.tokens, args.cp, args.json) else 1
+    return 0 if run_cli(args.quick, args.tokens, args.cp, args.json, args.repeats) else 1
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> tuple
 def _worker(rank: int, fn: Callable, num_ranks: int, workdir: str, backend: str,
             timeout_s: float, args: tuple) -> None:
     torch.set_num_threads(1)  # ranks share the machine's cores; oversubscription only slows
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank,
                             world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
     try:

@@ -257,6 +257,7 @@ def shard_packed_batch(layout: ZigzagLayout, rank: int, tokens_T: Tensor,
                        ignore_index: int = -100) -> dict[str, Tensor]:
     """This rank's model inputs for a packed row: tokens [1, L], labels [1, L] (padding ignored),
     cu_seqlens (local) and positions [1, L] for RoPE. Pass them to the model with ``RingAttention``.
+    Index tensors live where ``layout.cu_seqlens`` does: build the layout on the model's device.
     """
     out = {"tokens": layout.shard(tokens_T, rank, value=pad_token)[None],
            "cu_seqlens": layout.local_cu_seqlens(),
