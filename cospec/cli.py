@@ -243,6 +243,10 @@ def cmd_bench(args) -> int:
         rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in (args.batch_sizes or "1,16,64").split(",")],
                                   json_path=args.json)
         return 0 if rows else 1
+    if args.what == "cp":
+        from cospec.bench import cp
+
+        return 0 if cp.run_cli(args.quick, args.tokens, args.cp, args.json) else 1
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
@@ -274,10 +278,12 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(e)
     e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation", "rollout"])
+    b.add_argument("what", choices=["generation", "rollout", "cp"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
-    b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats")
+    b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
+    b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
+    b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
     b.add_argument("--json", help="also write the rows as JSON to this path")
     _config_args(b)
     b.set_defaults(fn=cmd_bench)

@@ -281,6 +281,18 @@ class GRPOConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    #: context-parallel ranks: each packed sequence is zigzag-sharded over them (ring attention)
+    cp: int = 1
+    #: pipeline-parallel stages
+    pp: int = 1
+
+    def __post_init__(self) -> None:
+        _check(self.cp >= 1, "parallel.cp", f"must be >= 1, got {self.cp}")
+        _check(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class RunConfig:
     #: where checkpoints, logs and reports go
     out_dir: str = "runs/default"
@@ -293,6 +305,7 @@ class RunConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def __post_init__(self) -> None:
         _check(self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:"),

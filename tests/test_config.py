@@ -41,6 +41,7 @@ def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
     ("model.no_such_field=1", "model.no_such_field"),
     ("task.families=copy,nope_family_is_checked_by_the_suite,copy", "task.families"),
     ("device=tpu", "device"),
+    ("parallel.cp=0", "parallel.cp"),
 ])
 def test_invalid_values_raise_an_error_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):

@@ -1,0 +1,59 @@
+"""Process groups for context parallelism: under torchrun, or spawned on one machine (tests, bench).
+
+Every group is created with an explicit timeout, so a rank that died or never reached a collective
+fails the others after ``timeout_s`` instead of hanging them (the default is 30 minutes).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def default_backend() -> str:
+    """nccl when CUDA is available, else gloo."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int]:
+    """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT); (rank, size)."""
+    dist.init_process_group(backend or default_backend(), timeout=timedelta(seconds=timeout_s))
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _worker(rank: int, fn: Callable, num_ranks: int, workdir: str, backend: str,
+            timeout_s: float, args: tuple) -> None:
+    torch.set_num_threads(1)  # ranks share the machine's cores; oversubscription only slows
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=f"file://{workdir}/store", rank=rank,
+                            world_size=num_ranks, timeout=timedelta(seconds=timeout_s))
+    try:
+        result = fn(rank, num_ranks, *args)
+        torch.save(result, Path(workdir) / f"result{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], num_ranks: int, *args: Any, backend: str = "gloo",
+          timeout_s: float = 60.0) -> list[Any]:
+    """Run ``fn(rank, num_ranks, *args)`` in ``num_ranks`` fresh processes joined in one group;
+    return each rank's result (must be picklable by torch.save), in rank order.
+
+    ``fn`` must be importable (module level). An exception on any rank is re-raised here
+    (torch.multiprocessing.ProcessRaisedException, with the rank's traceback).
+    """
+    with tempfile.TemporaryDirectory(prefix="cospec-dist-") as workdir:
+        mp.start_processes(_worker, args=(fn, num_ranks, workdir, backend, timeout_s, args),
+                           nprocs=num_ranks, join=True, start_method="spawn")
+        return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False)
+                for r in range(num_ranks)]
