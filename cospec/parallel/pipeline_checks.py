@@ -24,7 +24,7 @@ from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
                                       build_stage, pack_microbatch, pipeline_groups, split_layers,
                                       token_nll)
-from cospec.parallel.tap_channel import TapChannel
+from cospec.parallel.tap_channel import TapChannel, TapStampError
 from cospec.rl.tokenizer import BOS, EOS
 
 TINY = ModelConfig(vocab_size=50, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
@@ -173,7 +173,7 @@ def reference_step(policy: Transformer, mbs: list[Microbatch], tap_layers=(),
                              taps={layer: o.taps[layer][0] for layer in draft.tap_layers},
                              policy_logits=o.logits[0])
             d_loss, _ = ttt_loss(draft, batch, num_steps=NUM_TTT_STEPS)
-            (d_loss / len(mbs)).backward()
+            (d_loss * (1.0 / len(mbs))).backward()  # the same scaling as DraftCoTraining
             ref["draft_loss"] += d_loss.item() / len(mbs)
     ref["draft_grads"] = _grads(draft) if draft is not None else None
     return ref
@@ -186,3 +186,27 @@ def pack_whole_step(mbs: list[Microbatch]) -> Microbatch:
     return Microbatch(tokens=torch.cat([mb.tokens for mb in mbs]), cu_seqlens=cu,
                       targets=torch.cat([mb.targets for mb in mbs]),
                       loss_mask=torch.cat([mb.loss_mask for mb in mbs]))
+
+
+def stamp_mismatch(rank: int, num_ranks: int) -> str:
+    """Stage 0 stamps its tap of layer 1 with step 1 while the draft stage awaits step 0. Returns
+    the draft stage's error message ('' on the source, 'no error' if the draft read it)."""
+    policy, mb = tiny_policy(), random_microbatches(1)[0]
+    _, tap_group = pipeline_groups()
+    layers = split_layers(TINY.num_layers, num_ranks)
+    model = build_stage(policy, layers[rank], stage=rank, num_stages=num_ranks)
+    channel = TapChannel(tap_group, stage=rank, stage_layers=layers, tap_layers=(1,),
+                         max_microbatches=1, max_tokens=len(mb.tokens), hidden_size=TINY.hidden_size)
+    channel.attach(model)
+    channel.begin_step(1 if rank == 0 else 0, [len(mb.tokens)])
+    if rank == 0:
+        channel.set_microbatch(0)
+        model(mb.tokens[None], cu_seqlens=mb.cu_seqlens)
+        channel.after_forward(0)
+        channel.end_step()  # returns: the draft stage posted the receive at its begin_step
+        return ""
+    try:
+        channel.wait(0)
+    except TapStampError as e:
+        return str(e)
+    return "no error"
