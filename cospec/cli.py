@@ -173,6 +173,11 @@ def cmd_bench(args) -> int:
         rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in (args.batch_sizes or "1,16,64").split(",")],
                                   json_path=args.json)
         return 0 if rows else 1
+    if args.what == "pp":
+        from cospec.bench import pp
+
+        pp.run_cli(_resolve(args), quick=args.quick, json_path=args.json)
+        return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
@@ -193,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(t)
     t.set_defaults(fn=cmd_draft_train)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation", "rollout"])
+    b.add_argument("what", choices=["generation", "rollout", "pp"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
     b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
