@@ -1,6 +1,7 @@
 """Shared fixtures: the pipelined runs (spawned gloo ranks) that test_pipeline.py and
 test_tap_channel.py both read, run once per session."""
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -11,6 +12,24 @@ from cospec.parallel.pipeline_checks import (RunSpec, pipelined_runs, random_mic
                                              reference_step, tiny_draft, tiny_policy)
 
 ALL_LAYERS = tuple(range(6))
+
+
+@contextmanager
+def single_thread():
+    """One intra-op thread: what the spawned ranks use, and on a busy 2-core machine tiny ops with
+    2 OpenMP threads run ~100x slower (threads spin on cores others hold)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def one_thread():
+    with single_thread():
+        yield
 
 
 @dataclass
@@ -46,12 +65,8 @@ def pipeline_case(request) -> PipelineCase:
     # A hang must fail, not block: 120 s is ~10x what this takes on a busy 2-core machine.
     results = run_ranks(pipelined_runs, num_ranks, stage_sizes, num_microbatches, SPECS,
                         timeout_s=120)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # like the ranks: GEMM results depend on the thread count
-    try:
+    with single_thread():  # like the ranks: GEMM results depend on the thread count
         policy = tiny_policy()
         reference = reference_step(policy, random_microbatches(num_microbatches), ALL_LAYERS,
                                    tiny_draft(policy))
-    finally:
-        torch.set_num_threads(threads)
     return PipelineCase(num_ranks, stage_sizes, num_microbatches, SPECS, results, reference)

@@ -73,7 +73,7 @@ def test_schedules_run_each_microbatch_forward_then_backward_in_order(kind):
                 assert max(in_flight) == (min(P - s, M) if kind == "1f1b" else M)
 
 
-def test_pp1_step_with_draft_co_training_equals_the_plain_model():
+def test_pp1_step_with_draft_co_training_equals_the_plain_model(one_thread):
     """One stage, no process group: the executor, the channel's local taps and the draft's TTT loss
     against `reference_step` (same tolerances as the multi-process cases)."""
     torch.manual_seed(0)

@@ -16,7 +16,10 @@ apart (``draft_rows``): it adds the draft's compute, which no transport can hide
 
 Step time is rank 0's wall time from a barrier before the step to a barrier after it (so it is the
 slowest rank's), the median over ``repeats``; methods are interleaved, in rotating order, within
-each repeat so that a noisy neighbour hits all of them alike. Every rank runs with one thread.
+each repeat so that a noisy neighbour hits all of them alike, and ``paired_vs_no_tap`` is the
+median of the per-repeat ratios. ``tap_post_seconds`` is the busiest rank's own time spent posting
+taps (TapChannel: hook copies and isends; blocking: the blocking sends, stall included), the
+transport's direct cost to the schedule's thread. Every rank runs with one thread.
 
     python -m cospec.bench.pp --pp 2,4 --microbatches 8 --json pp.json
     cospec bench pp [--quick] [--json PATH] [model.hidden_size=...]
@@ -55,7 +58,7 @@ class BenchSettings:
     num_microbatches: int = 8
     seqs_per_microbatch: int = 4
     seq_len: int = 64  # positions per sequence: T = seqs_per_microbatch * seq_len
-    repeats: int = 5
+    repeats: int = 7
     warmup: int = 1
 
 
@@ -68,7 +71,7 @@ class BlockingTaps:
         self.group, self.stage, self.hidden_size, self.dtype = group, stage, hidden_size, dtype
         self.draft_stage = len(stage_layers) - 1
         self.ranks = dist.get_process_group_ranks(group)
-        self.bytes_sent, self.wait_seconds = 0, 0.0
+        self.bytes_sent, self.wait_seconds, self.post_seconds = 0, 0.0, 0.0
         self._m, self._counts, self._pending, self._got = None, [], {}, {}
 
     def attach(self, model) -> list:
@@ -89,10 +92,12 @@ class BlockingTaps:
     def after_forward(self, m: int) -> None:
         self._m = None
         if self.stage != self.draft_stage:
+            start = time.perf_counter()
             for layer in sorted(self._pending):  # blocks until the draft stage's forward of m
                 feat = self._pending.pop(layer).contiguous()
                 dist.send(feat, self.ranks[self.draft_stage], group=self.group)
                 self.bytes_sent += feat.numel() * feat.element_size()
+            self.post_seconds += time.perf_counter() - start
             return
         start = time.perf_counter()
         for layer, source in self.owner.items():
@@ -160,7 +165,7 @@ def _timed_step(model, mbs, taps, pipe_group, loss_fn, rank, num_ranks, draft, s
                     else (lambda mb, logits: taps.wait(mb.index)))
     runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_ranks), loss_fn, taps=taps,
                           on_last_backward=consumer)
-    wait0, bytes0 = (taps.wait_seconds, taps.bytes_sent) if taps is not None else (0.0, 0)
+    before = _counters(taps)
     dist.barrier()  # on the world group: neither the pipeline's nor the taps'
     start = time.perf_counter()
     runner.run(mbs, step=step)
@@ -171,41 +176,58 @@ def _timed_step(model, mbs, taps, pipe_group, loss_fn, rank, num_ranks, draft, s
         draft.zero_grad(set_to_none=True)
     for h in handles:
         h.remove()
-    return {"seconds": seconds,
-            "tap_wait_seconds": (taps.wait_seconds - wait0) if taps is not None else 0.0,
-            "tap_bytes": (taps.bytes_sent - bytes0) if taps is not None else 0}
+    after = _counters(taps)
+    return {"seconds": seconds, **{k: after[k] - before[k] for k in after}}
+
+
+def _counters(taps) -> dict:
+    if taps is None:
+        return {"tap_wait_seconds": 0.0, "tap_post_seconds": 0.0, "tap_bytes": 0}
+    return {"tap_wait_seconds": taps.wait_seconds, "tap_post_seconds": taps.post_seconds,
+            "tap_bytes": taps.bytes_sent}
 
 
 def summarize(num_ranks: int, per_rank: list[list[dict]], s: BenchSettings) -> list[dict]:
-    """One row per configuration: medians over repeats (time from rank 0, wait from the last
-    rank), bytes summed over ranks."""
+    """One row per configuration. step_seconds: median over repeats of rank 0's time;
+    paired_vs_no_tap: median over repeats of (this config / no_tap in the same repeat), the ratio a
+    noisy machine disturbs least; tap_wait_seconds: the last stage's, median; tap_post_seconds: the
+    busiest rank's time posting taps, median; tap_bytes: per step, summed over ranks."""
+    configs = [(m, False) for m in METHODS] + [("tap_channel", True)]
+
+    def pick(rank, method, with_draft):
+        return [r for r in per_rank[rank] if r["method"] == method and r["with_draft"] == with_draft]
+
+    base = [r["seconds"] for r in pick(0, "no_tap", False)]
     out = []
-    for method, with_draft in [(m, False) for m in METHODS] + [("tap_channel", True)]:
-        def pick(rank):
-            return [r for r in per_rank[rank] if r["method"] == method and r["with_draft"] == with_draft]
-        times = [r["seconds"] for r in pick(0)]
+    for method, with_draft in configs:
+        times = [r["seconds"] for r in pick(0, method, with_draft)]
+        posts = zip(*[[r["tap_post_seconds"] for r in pick(rank, method, with_draft)]
+                      for rank in range(num_ranks)])
         out.append({"pp": num_ranks, "method": method, "with_draft": with_draft,
                     "step_seconds": statistics.median(times),
-                    "tap_wait_seconds": statistics.median(r["tap_wait_seconds"] for r in pick(num_ranks - 1)),
-                    "tap_bytes": sum(pick(rank)[0]["tap_bytes"] for rank in range(num_ranks)),
+                    "tap_wait_seconds": statistics.median(
+                        r["tap_wait_seconds"] for r in pick(num_ranks - 1, method, with_draft)),
+                    "tap_post_seconds": statistics.median(max(p) for p in posts),
+                    "tap_bytes": sum(pick(rank, method, with_draft)[0]["tap_bytes"]
+                                     for rank in range(num_ranks)),
+                    "vs_no_tap": statistics.median(times) / statistics.median(base),
+                    "paired_vs_no_tap": statistics.median(t / b for t, b in zip(times, base)),
                     "num_microbatches": s.num_microbatches,
                     "tokens_per_microbatch": s.seqs_per_microbatch * s.seq_len,
                     "step_seconds_all": times})
-    base = out[0]["step_seconds"]
-    for row in out:
-        row["vs_no_tap"] = row["step_seconds"] / base
     return out
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'pp':>3} {'method':>18} {'step s':>8} {'vs no_tap':>10} {'tap wait s':>11} "
-            f"{'wait/step':>10} {'tap MB':>8}")
+    head = (f"{'pp':>3} {'method':>18} {'step s':>7} {'vs no_tap':>10} {'paired':>7} "
+            f"{'tap wait s':>11} {'wait/step':>10} {'post s':>7} {'tap MB':>7}")
     lines = [head, "-" * len(head)]
     for r in rows:
         name = r["method"] + ("+draft" if r["with_draft"] else "")
-        lines.append(f"{r['pp']:>3} {name:>18} {r['step_seconds']:>8.3f} {r['vs_no_tap']:>9.3f}x "
-                     f"{r['tap_wait_seconds']:>11.4f} {r['tap_wait_seconds'] / r['step_seconds']:>9.1%} "
-                     f"{r['tap_bytes'] / 1e6:>8.2f}")
+        lines.append(f"{r['pp']:>3} {name:>18} {r['step_seconds']:>7.3f} {r['vs_no_tap']:>9.3f}x "
+                     f"{r['paired_vs_no_tap']:>6.3f}x {r['tap_wait_seconds']:>11.4f} "
+                     f"{r['tap_wait_seconds'] / r['step_seconds']:>9.1%} "
+                     f"{r['tap_post_seconds']:>7.4f} {r['tap_bytes'] / 1e6:>7.2f}")
     return "\n".join(lines)
 
 
@@ -230,7 +252,7 @@ def run(pp_sizes=(2, 4), settings: BenchSettings | None = None, json_path: str |
 
 def run_cli(cfg, *, quick: bool = False, json_path: str | None = None) -> list[dict]:
     """`cospec bench pp`: cfg.model with random weights; pp 2 and 4 (2 with --quick)."""
-    s = BenchSettings(model=cfg.model, repeats=3 if quick else 5)
+    s = BenchSettings(model=cfg.model, repeats=3 if quick else 7)
     return run((2,) if quick else (2, 4), s, json_path)
 
 
@@ -240,7 +262,7 @@ def main(argv=None) -> None:
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--seqs-per-microbatch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--json")
     a = p.parse_args(argv)
     s = BenchSettings(model=ModelConfig(), num_microbatches=a.microbatches,

@@ -17,7 +17,9 @@ The cost: about 100 lines that pipelining would give, and no interleaved or zero
 Every rank holds the step's plan (the list of `Microbatch`, a few KB of token ids), so each stage
 knows every microbatch's T without a shape handshake; only the first stage reads the tokens and only
 the last the targets. Activations [1, T, C] go s -> s+1 and their gradients s+1 -> s: non-blocking
-sends (waited at the end of the step), blocking receives, both in schedule order.
+sends (waited at the end of the step), blocking receives, both in schedule order. No
+batch_isend_irecv: gloo runs it as separate operations anyway, and single ones keep the order
+explicit and recordable.
 
 Schedules (stage s of P, M microbatches; F = forward, B = backward):
 - GPipe (Huang et al. 1811.06965): F0 .. F(M-1), then B0 .. B(M-1).

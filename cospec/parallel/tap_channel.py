@@ -75,8 +75,9 @@ class TapChannel:
     group: a process group of the pipeline's ranks that is not the pipeline's (`pipeline_groups`).
     stage_layers: every stage's layer range (`split_layers`); the last stage is the draft stage.
     max_microbatches, max_tokens: capacity of the slots (microbatches per step, tokens per microbatch).
-    Counters: ``bytes_sent`` (this stage's messages, headers included) and ``wait_seconds`` (time the
-    draft stage spent blocked in wait/end_step).
+    Counters: ``bytes_sent`` (this stage's messages, headers included), ``wait_seconds`` (time the
+    draft stage spent blocked in wait/end_step) and ``post_seconds`` (time the stage's own thread
+    spent posting: the hooks' copies and isends, begin_step's irecvs).
     """
 
     def __init__(self, group, *, stage: int, stage_layers: list[range], tap_layers,
@@ -100,7 +101,7 @@ class TapChannel:
         self.landing = {s: slots(len(self.layers_of[s])) for s in self.sources} if self.is_draft else {}
         mine = self.layers_of[stage]
         self.send_slots = slots(len(mine)) if mine and not self.is_draft else None
-        self.bytes_sent, self.wait_seconds = 0, 0.0
+        self.bytes_sent, self.wait_seconds, self.post_seconds = 0, 0.0, 0.0
         self._step, self._m, self._counts = None, None, []
         self._recvs: dict[tuple[int, int], tuple] = {}
         self._sends: list = []
@@ -127,12 +128,14 @@ class TapChannel:
         self._step, self._counts = step, list(token_counts)
         if not self.is_draft:
             return
+        start = time.perf_counter()
         # Per source, receives are posted in the order its sends are: microbatch, then layer.
         for m, num_tokens in enumerate(token_counts):
             for s in self.sources:
                 for i, layer in enumerate(self.layers_of[s]):
                     buf = self.landing[s][m, i, :self._nbytes(num_tokens)]
                     self._recvs[(m, layer)] = (dist.irecv(buf, self.ranks[s], group=self.group), buf, s)
+        self.post_seconds += time.perf_counter() - start
 
     def set_microbatch(self, m: int) -> None:
         """The stamp of the taps the next forward posts (the executor calls it before forward m)."""
@@ -154,11 +157,13 @@ class TapChannel:
         if self.is_draft:
             self._local[(m, layer)] = feat_TC
             return
+        start = time.perf_counter()
         buf = self.send_slots[m, self.layers_of[self.stage].index(layer), :self._nbytes(num_tokens)]
         buf[:32].view(torch.int64).copy_(torch.tensor([self._step, m, layer, num_tokens]))
         buf[HEADER_BYTES:].view(self.dtype).view(num_tokens, self.hidden_size).copy_(feat_TC)
         self._sends.append(dist.isend(buf, self.ranks[self.draft_stage], group=self.group))
         self.bytes_sent += buf.numel()
+        self.post_seconds += time.perf_counter() - start
 
     def _landed(self, m: int, layer: int) -> Tensor:
         """Wait for one receive and check its stamp; [T, C] view of its slot."""
