@@ -86,7 +86,7 @@ def test_pp1_step_with_draft_co_training_equals_the_plain_model(one_thread):
                          hidden_size=TINY.hidden_size)
     channel.attach(model)
     draft = tiny_draft(policy)
-    co_train = DraftCoTraining(draft, channel, num_microbatches=3, num_ttt_steps=2)
+    co_train = DraftCoTraining(draft, channel, num_ttt_steps=2)
     step = PipelineStep(model, PipeTransport(None, 0, 1),
                         lambda lg, mb: token_nll(lg, mb, num_step_tokens=num_step_tokens(mbs)),
                         taps=channel, on_last_backward=co_train)

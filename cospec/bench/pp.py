@@ -161,8 +161,8 @@ def _timed_step(model, mbs, taps, pipe_group, loss_fn, rank, num_ranks, draft, s
     handles = taps.attach(model) if taps is not None else []
     consumer = None
     if taps is not None and rank == num_ranks - 1:
-        consumer = (DraftCoTraining(draft, taps, num_microbatches=len(mbs)) if draft is not None
-                    else (lambda mb, logits: taps.wait(mb.index)))
+        consumer = (DraftCoTraining(draft, taps) if draft is not None
+                    else (lambda mb, logits, num_microbatches: taps.wait(mb.index)))
     runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_ranks), loss_fn, taps=taps,
                           on_last_backward=consumer)
     before = _counters(taps)

@@ -40,6 +40,7 @@ from torch import Tensor
 
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.models.llama import Transformer
+from cospec.parallel.tap_channel import TapChannel
 
 
 @dataclass
@@ -169,9 +170,9 @@ class PipelineStep:
     last stage (None elsewhere) and leaves the gradients in ``model``.
 
     taps: a TapChannel (or any object with begin_step / set_microbatch / after_forward / end_step),
-    already attached to ``model``; None runs without taps. on_last_backward(mb, logits_TV): called
-    on the last stage right after microbatch mb's backward, with the detached logits (the draft's
-    co-training step, `DraftCoTraining`).
+    already attached to ``model``; None runs without taps. on_last_backward(mb, logits_TV, M): called
+    on the last stage right after microbatch mb's backward, with the detached logits and the
+    step's number of microbatches (the draft's co-training step, `DraftCoTraining`).
     """
 
     model: Transformer
@@ -179,14 +180,14 @@ class PipelineStep:
     loss_fn: Callable[[Tensor, Microbatch], Tensor]
     schedule: str = "1f1b"
     taps: object | None = None
-    on_last_backward: Callable[[Microbatch, Tensor], None] | None = None
+    on_last_backward: Callable[[Microbatch, Tensor, int], None] | None = None
     _saved: dict = field(default_factory=dict)
 
     def run(self, microbatches: list[Microbatch], step: int = 0) -> float | None:
         t = self.transport
         self.first, self.last = t.stage == 0, t.stage == t.num_stages - 1
         self._like = next(self.model.parameters())
-        self._loss = 0.0
+        self._loss, self._num_microbatches = 0.0, len(microbatches)
         for i, mb in enumerate(microbatches):
             if mb.index != i:
                 raise ValueError(f"microbatch {i} of the step has index {mb.index}: indices must be 0..M-1 "
@@ -234,7 +235,8 @@ class PipelineStep:
         if not self.first:
             t.send(x.grad, t.stage - 1, "grad", m)
         if self.last and self.on_last_backward is not None:
-            self.on_last_backward(mb, logits)  # after the gradient left: upstream is not held up
+            # After the gradient left, so upstream stages are not held up by the draft.
+            self.on_last_backward(mb, logits, self._num_microbatches)
 
 
 def pipeline_groups(ranks: list[int] | None = None):
@@ -255,17 +257,39 @@ class DraftCoTraining:
     reach only the draft's parameters.
     """
 
-    def __init__(self, draft, taps, *, num_microbatches: int, num_ttt_steps: int = 3,
-                 weight: float = 1.0):
+    def __init__(self, draft, taps, *, num_ttt_steps: int = 3, weight: float = 1.0):
         self.draft, self.taps = draft, taps
-        self.num_microbatches, self.num_ttt_steps, self.weight = num_microbatches, num_ttt_steps, weight
+        self.num_ttt_steps, self.weight = num_ttt_steps, weight
         self.losses: list[float] = []
 
-    def __call__(self, mb: Microbatch, logits_TV: Tensor) -> None:
+    def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
         device = logits_TV.device
         batch = TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
                          loss_mask=mb.loss_mask.to(device),
                          taps=self.taps.wait(mb.index, self.draft.tap_layers), policy_logits=logits_TV)
         loss, _ = ttt_loss(self.draft, batch, num_steps=self.num_ttt_steps)
-        (loss * (self.weight / self.num_microbatches)).backward()
+        (loss * (self.weight / num_microbatches)).backward()
         self.losses.append(loss.item())
+
+
+def co_trained_step(model: Transformer, *, stage_layers: list[range], stage: int, pipe_group,
+                    tap_group, loss_fn, tap_layers, max_microbatches: int, max_tokens: int,
+                    draft=None, schedule: str = "1f1b", num_ttt_steps: int = 3,
+                    draft_weight: float = 1.0) -> PipelineStep:
+    """The pipelined policy step with the draft co-trained on the last stage, wired on one rank.
+
+    model: this rank's stage (`build_stage`); tap_layers: the layers TapChannel carries, the same on
+    every rank (the draft's ``tap_layers``, or more); draft: the draft on the last stage (ignored
+    elsewhere). The returned step's ``taps`` is this rank's TapChannel and, on the last stage,
+    ``on_last_backward`` its `DraftCoTraining`.
+    """
+    taps = TapChannel(tap_group, stage=stage, stage_layers=stage_layers, tap_layers=tap_layers,
+                      max_microbatches=max_microbatches, max_tokens=max_tokens,
+                      hidden_size=model.config.hidden_size, dtype=next(model.parameters()).dtype,
+                      device=next(model.parameters()).device)
+    taps.attach(model)
+    co_train = None
+    if stage == len(stage_layers) - 1 and draft is not None:
+        co_train = DraftCoTraining(draft, taps, num_ttt_steps=num_ttt_steps, weight=draft_weight)
+    return PipelineStep(model, PipeTransport(pipe_group, stage, len(stage_layers)), loss_fn,
+                        schedule=schedule, taps=taps, on_last_backward=co_train)

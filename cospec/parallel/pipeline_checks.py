@@ -21,9 +21,9 @@ from cospec.config import ModelConfig
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
-from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
-                                      build_stage, pack_microbatch, pipeline_groups, split_layers,
-                                      token_nll)
+from cospec.parallel.pipeline import (Microbatch, PipelineStep, PipeTransport, build_stage,
+                                      co_trained_step, pack_microbatch, pipeline_groups,
+                                      split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel, TapStampError
 from cospec.rl.tokenizer import BOS, EOS
 
@@ -110,22 +110,20 @@ def pipelined_runs(rank: int, num_ranks: int, stage_sizes, num_microbatches: int
 def _run(policy, mbs, spec: RunSpec, rank: int, layers, pipe_group, tap_group) -> dict:
     num_stages, last = len(layers), rank == len(layers) - 1
     model = build_stage(policy, layers[rank], stage=rank, num_stages=num_stages)
-    channel, consumer, draft, delivered = None, None, None, {}
+    loss_fn = partial(token_nll, num_step_tokens=num_step_tokens(mbs))
+    draft, delivered = None, {}
     if spec.taps:
-        channel = TapChannel(tap_group, stage=rank, stage_layers=layers, tap_layers=spec.taps,
-                             max_microbatches=len(mbs), max_tokens=max(len(mb.tokens) for mb in mbs),
-                             hidden_size=TINY.hidden_size)
-        channel.attach(model)
+        draft = tiny_draft(policy) if last and spec.draft else None
+        runner = co_trained_step(model, stage_layers=layers, stage=rank, pipe_group=pipe_group,
+                                 tap_group=tap_group, loss_fn=loss_fn, tap_layers=spec.taps,
+                                 max_microbatches=len(mbs),
+                                 max_tokens=max(len(mb.tokens) for mb in mbs), draft=draft,
+                                 schedule=spec.schedule, num_ttt_steps=NUM_TTT_STEPS)
         if last:
-            channel.wait = _recording_wait(channel, delivered)
-            consumer = lambda mb, logits: channel.wait(mb.index)  # noqa: E731 (taps only)
-    if last and spec.draft:
-        draft = tiny_draft(policy)
-        consumer = DraftCoTraining(draft, channel, num_microbatches=len(mbs),
-                                   num_ttt_steps=NUM_TTT_STEPS)
-    runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_stages),
-                          partial(token_nll, num_step_tokens=num_step_tokens(mbs)),
-                          schedule=spec.schedule, taps=channel, on_last_backward=consumer)
+            runner.taps.wait = _recording_wait(runner.taps, delivered)
+    else:
+        runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_stages), loss_fn,
+                              schedule=spec.schedule)
     for k in range(spec.num_steps):
         model.zero_grad(set_to_none=True)
         if draft is not None:
@@ -133,7 +131,8 @@ def _run(policy, mbs, spec: RunSpec, rank: int, layers, pipe_group, tap_group) -
         loss = runner.run(mbs, step=k)
     return {"loss": loss, "grads": _grads(model), "trace": runner.transport.trace,
             "draft_grads": _grads(draft) if draft is not None else None,
-            "draft_loss": sum(consumer.losses[-len(mbs):]) / len(mbs) if draft is not None else None,
+            "draft_loss": (sum(runner.on_last_backward.losses[-len(mbs):]) / len(mbs)
+                           if draft is not None else None),
             "delivered": delivered}
 
 
