@@ -17,6 +17,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (DraftCoTraining, PipelineStep, PipeTransport, build_stage,
                                       schedule_actions, split_layers, token_nll)
 from cospec.parallel.pipeline_checks import (TINY, RunSpec, num_step_tokens, random_microbatches,
@@ -50,9 +51,11 @@ def test_a_stage_that_owns_no_layer_is_a_clear_error():
         split_layers(2, 4)
 
 
-def test_tied_embeddings_cannot_be_split_across_stages():
-    policy = tiny_policy()
-    policy.config = replace(TINY, tie_embeddings=True)
+def test_tied_embeddings_stay_tied_on_one_stage_and_cannot_be_split():
+    torch.manual_seed(0)
+    policy = Transformer(replace(TINY, tie_embeddings=True))
+    whole = build_stage(policy, range(TINY.num_layers), stage=0, num_stages=1)
+    assert whole.lm_head.weight is whole.embed_tokens.weight
     with pytest.raises(ValueError, match="tie_embeddings"):
         build_stage(policy, range(0, 3), stage=0, num_stages=2)
 

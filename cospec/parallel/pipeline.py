@@ -118,6 +118,8 @@ def build_stage(policy: Transformer, layers: range, *, stage: int, num_stages: i
     wanted = part.state_dict().keys()
     state = {k: v.detach().clone() for k, v in policy.state_dict().items() if k in wanted}
     part.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign=True replaced the shared tensor by two copies: share it again
+        part.lm_head.weight = part.embed_tokens.weight
     return part
 
 
