@@ -189,7 +189,7 @@ class PipelineStep:
         t = self.transport
         self.first, self.last = t.stage == 0, t.stage == t.num_stages - 1
         self._like = next(self.model.parameters())
-        self._loss, self._num_microbatches = 0.0, len(microbatches)
+        self._loss, self._num_microbatches = torch.zeros(()), len(microbatches)
         for i, mb in enumerate(microbatches):
             if mb.index != i:
                 raise ValueError(f"microbatch {i} of the step has index {mb.index}: indices must be 0..M-1 "
@@ -201,7 +201,7 @@ class PipelineStep:
         t.finish()
         if self.taps is not None:
             self.taps.end_step()
-        return self._loss if self.last else None
+        return float(self._loss) if self.last else None  # one device sync for the loss, not M
 
     def _forward(self, mb: Microbatch) -> None:
         t, m = self.transport, mb.index
@@ -230,7 +230,7 @@ class PipelineStep:
         x, out, logits = self._saved.pop(m)
         if self.last:
             out.backward()
-            self._loss += out.item()
+            self._loss = self._loss.to(out.device) + out.detach()
         else:
             grad = t.recv(self._like, tuple(out.shape), t.stage + 1, "grad", m)
             torch.autograd.backward(out, grad)
