@@ -44,10 +44,11 @@ from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.llama import Transformer
 from cospec.parallel.local_ranks import run_ranks
-from cospec.parallel.pipeline import (DraftCoTraining, PipelineStep, PipeTransport, build_stage,
-                                      pack_microbatch, pipeline_groups, split_layers, token_nll)
+from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
+                                      build_stage, pipeline_groups, split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel, tap_owners
 from cospec.rl.tokenizer import BOS, EOS
+from cospec.sft import pack_examples
 
 METHODS = ("no_tap", "tap_channel", "blocking")
 
@@ -119,10 +120,12 @@ class BlockingTaps:
 def bench_microbatches(s: BenchSettings) -> list:
     rng = random.Random(0)
     mbs = []
+    prompt_len = s.seq_len // 4
     for m in range(s.num_microbatches):
         seqs = [[BOS] + [rng.randrange(4, s.model.vocab_size) for _ in range(s.seq_len - 1)] + [EOS]
                 for _ in range(s.seqs_per_microbatch)]
-        mbs.append(pack_microbatch(seqs, [s.seq_len // 4] * len(seqs), index=m))
+        examples = [(ids, [0] * prompt_len + [1] * (len(ids) - prompt_len)) for ids in seqs]
+        mbs.append(Microbatch.from_packed(pack_examples(examples), index=m))
     return mbs
 
 

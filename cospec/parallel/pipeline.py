@@ -61,17 +61,11 @@ class Microbatch:
     loss_mask: Tensor
     index: int = 0
 
-
-def pack_microbatch(sequences: list[list[int]], prompt_lens: list[int], index: int = 0) -> Microbatch:
-    """A `Microbatch` from whole sequences (each ending with its EOS) and their prompt lengths."""
-    tokens, targets, mask, cu = [], [], [], [0]
-    for seq, p in zip(sequences, prompt_lens):
-        tokens += seq[:-1]
-        targets += seq[1:]
-        mask += [float(t >= p - 1) for t in range(len(seq) - 1)]  # position t predicts token t+1
-        cu.append(cu[-1] + len(seq) - 1)
-    return Microbatch(tokens=torch.tensor(tokens), cu_seqlens=torch.tensor(cu),
-                      targets=torch.tensor(targets), loss_mask=torch.tensor(mask), index=index)
+    @classmethod
+    def from_packed(cls, packed, index: int) -> "Microbatch":
+        """From a one-row `cospec.sft.PackedBatch` (`pack_examples`: SFT's and GRPO's packing)."""
+        return cls(tokens=packed.tokens[0], cu_seqlens=packed.cu_seqlens, targets=packed.targets[0],
+                   loss_mask=packed.loss_mask[0], index=index)
 
 
 def token_nll(logits_TV: Tensor, mb: Microbatch, *, num_step_tokens: int) -> Tensor:

@@ -22,10 +22,10 @@ from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (Microbatch, PipelineStep, PipeTransport, build_stage,
-                                      co_trained_step, pack_microbatch, pipeline_groups,
-                                      split_layers, token_nll)
+                                      co_trained_step, pipeline_groups, split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel, TapStampError
 from cospec.rl.tokenizer import BOS, EOS
+from cospec.sft import pack_examples
 
 TINY = ModelConfig(vocab_size=50, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
                    intermediate_size=64, max_seq_len=64)
@@ -48,12 +48,12 @@ def random_microbatches(num_microbatches: int, seed: int = 0) -> list[Microbatch
     rng = random.Random(seed)
     mbs = []
     for m in range(num_microbatches):
-        seqs, prompts = [], []
+        examples = []
         for _ in range(rng.randint(2, 3)):
-            n = rng.randint(2, 8)
-            seqs.append([BOS] + [rng.randrange(4, TINY.vocab_size) for _ in range(n)] + [EOS])
-            prompts.append(rng.randint(1, 3))
-        mbs.append(pack_microbatch(seqs, prompts, index=m))
+            n, prompt_len = rng.randint(2, 8), rng.randint(1, 3)
+            ids = [BOS] + [rng.randrange(4, TINY.vocab_size) for _ in range(n)] + [EOS]
+            examples.append((ids, [0] * prompt_len + [1] * (len(ids) - prompt_len)))
+        mbs.append(Microbatch.from_packed(pack_examples(examples), index=m))
     return mbs
 
 
