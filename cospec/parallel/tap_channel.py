@@ -92,7 +92,8 @@ class TapChannel:
         self.sources = [s for s in range(self.draft_stage) if self.layers_of[s]]
         self.max_microbatches, self.max_tokens = max_microbatches, max_tokens
         self.hidden_size, self.dtype = hidden_size, dtype
-        payload = max_tokens * hidden_size * torch.empty((), dtype=dtype).element_size()
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        payload = max_tokens * hidden_size * self.itemsize
         slot_bytes = HEADER_BYTES + -(-payload // 64) * 64
 
         def slots(num_taps: int) -> Tensor:  # uint8 [M, K, slot bytes], allocated once
@@ -117,7 +118,7 @@ class TapChannel:
         return handles
 
     def _nbytes(self, num_tokens: int) -> int:
-        return HEADER_BYTES + num_tokens * self.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return HEADER_BYTES + num_tokens * self.hidden_size * self.itemsize
 
     def begin_step(self, step: int, token_counts: list[int]) -> None:
         """Step 1 of the protocol: the draft stage posts every receive of the step."""
@@ -125,6 +126,9 @@ class TapChannel:
             raise ValueError(f"step of {len(token_counts)} microbatches of up to {max(token_counts)} "
                              f"tokens exceeds the TapChannel's slots ({self.max_microbatches} x "
                              f"{self.max_tokens} tokens)")
+        if self._recvs or self._sends:
+            raise RuntimeError(f"begin_step({step}) before end_step of step {self._step}: its slots "
+                               f"are still in flight")
         self._step, self._counts = step, list(token_counts)
         if not self.is_draft:
             return
