@@ -247,6 +247,11 @@ def cmd_bench(args) -> int:
         from cospec.bench import cp
 
         return 0 if cp.run_cli(args.quick, args.tokens, args.cp, args.json) else 1
+    if args.what == "pp":
+        from cospec.bench import pp
+
+        pp.run_cli(_resolve(args), quick=args.quick, json_path=args.json)
+        return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
@@ -278,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(e)
     e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation", "rollout", "cp"])
+    b.add_argument("what", choices=["generation", "rollout", "cp", "pp"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
     b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")

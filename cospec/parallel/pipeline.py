@@ -1,0 +1,291 @@
+"""Pipeline parallelism for the policy's training step: stages by layer ranges, 1F1B and GPipe.
+
+# T packed tokens, C hidden size, V vocab, M microbatches, P pipeline stages
+
+A small explicit schedule, not torch.distributed.pipelining, because:
+1. packed microbatches: each has its own length T and ``cu_seqlens``. PipelineStage works from one
+   activation shape (given or inferred once) and hands a stage only the previous stage's outputs, so
+   ``cu_seqlens`` would have to travel through the pipe as a tensor and shapes be renegotiated;
+2. the schedule must be observable: the "schedule untouched" test compares every operation on the
+   pipeline group (kind, peer, microbatch, shape) with taps on and off; here all of them pass
+   through one object, `PipeTransport`;
+3. TapChannel posts its sends from forward hooks inside a stage's forward. With our own executor the
+   only pipeline operations that can be outstanding at that moment are non-blocking sends, which is
+   what the no-hang argument in `cospec.parallel.tap_channel` rests on.
+The cost: about 100 lines that pipelining would give, and no interleaved or zero-bubble schedules.
+
+Every rank holds the step's plan (the list of `Microbatch`, a few KB of token ids), so each stage
+knows every microbatch's T without a shape handshake; only the first stage reads the tokens and only
+the last the targets. Activations [1, T, C] go s -> s+1 and their gradients s+1 -> s: non-blocking
+sends (waited at the end of the step), blocking receives, both in schedule order. No
+batch_isend_irecv: gloo runs it as separate operations anyway, and single ones keep the order
+explicit and recordable.
+
+Schedules (stage s of P, M microbatches; F = forward, B = backward):
+- GPipe (Huang et al. 1811.06965): F0 .. F(M-1), then B0 .. B(M-1).
+- 1F1B (PipeDream-flush, Narayanan et al. 2006.09503): min(P-1-s, M) warm-up forwards, then F and B
+  alternate, then the remaining B. At most P - s microbatches are in flight on stage s.
+Both run the forwards in microbatch order 0..M-1 on every stage; TapChannel relies on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor
+
+from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.models.llama import Transformer
+from cospec.parallel.tap_channel import TapChannel
+
+
+@dataclass
+class Microbatch:
+    """One packed row of whole sequences.
+
+    tokens: long [T]; cu_seqlens: long [N+1]; targets: long [T], the token after position t in its
+    sequence; loss_mask: float [T], 1 where targets[t] is trained (a response token); index: its
+    place in the step (0..M-1).
+    Example: sequences [BOS a b EOS] and [BOS c EOS] with prompts "BOS a" and "BOS": tokens
+    [BOS a b BOS c], targets [a b EOS c EOS], cu_seqlens [0, 3, 5], loss_mask [0 1 1 1 1]
+    (the same convention as `cospec.draft.ttt.TTTBatch`).
+    """
+
+    tokens: Tensor
+    cu_seqlens: Tensor
+    targets: Tensor
+    loss_mask: Tensor
+    index: int = 0
+
+    @classmethod
+    def from_packed(cls, packed, index: int) -> "Microbatch":
+        """From a one-row `cospec.sft.PackedBatch` (`pack_examples`: SFT's and GRPO's packing)."""
+        return cls(tokens=packed.tokens[0], cu_seqlens=packed.cu_seqlens, targets=packed.targets[0],
+                   loss_mask=packed.loss_mask[0], index=index)
+
+
+def token_nll(logits_TV: Tensor, mb: Microbatch, *, num_step_tokens: int) -> Tensor:
+    """sum of -log p(target) over mb's trained positions / num_step_tokens.
+
+    Summed over a step's microbatches this is the step's mean token NLL, whatever the split; the
+    pipelined step takes any ``loss_fn(logits_TV, mb) -> scalar`` of that additive form (GRPO's
+    per-microbatch term plugs in the same way).
+    """
+    nll = F.cross_entropy(logits_TV.float(), mb.targets.to(logits_TV.device), reduction="none")
+    return (nll * mb.loss_mask.to(nll.device)).sum() / num_step_tokens
+
+
+def split_layers(num_layers: int, num_stages: int,
+                 stage_sizes: list[int] | None = None) -> list[range]:
+    """Contiguous layer ranges, one per stage. Default: as even as possible, the extra layers on
+    the earliest stages (the last stage also holds the head and the draft)."""
+    if num_stages < 1:
+        raise ValueError(f"pp must be >= 1, got {num_stages}")
+    if stage_sizes is None:
+        base, extra = divmod(num_layers, num_stages)
+        stage_sizes = [base + (s < extra) for s in range(num_stages)]
+    if len(stage_sizes) != num_stages or sum(stage_sizes) != num_layers:
+        raise ValueError(f"stage sizes {stage_sizes} must be {num_stages} numbers summing to the "
+                         f"policy's {num_layers} layers")
+    empty = [s for s, n in enumerate(stage_sizes) if n < 1]
+    if empty:
+        raise ValueError(f"pipeline stage(s) {empty} would own no decoder layer (sizes {stage_sizes}, "
+                         f"pp={num_stages}, {num_layers} layers): every stage needs at least one")
+    starts = [sum(stage_sizes[:s]) for s in range(num_stages)]
+    return [range(a, a + n) for a, n in zip(starts, stage_sizes)]
+
+
+def build_stage(policy: Transformer, layers: range, *, stage: int, num_stages: int) -> Transformer:
+    """Stage ``stage`` of ``policy``: its layers (embedding on the first stage, norm and head on the
+    last), parameters copied under the checkpoint's own names."""
+    cfg = policy.config
+    if cfg.tie_embeddings and num_stages > 1:
+        raise ValueError("model.tie_embeddings cannot be split across pipeline stages (the embedding "
+                         "lives on the first, the head on the last); use pp=1")
+    with torch.device("meta"):  # no throw-away init: the weights come from the policy
+        part = Transformer(cfg, layer_ids=list(layers), has_embedding=stage == 0,
+                           has_head=stage == num_stages - 1, attn_fn=policy.attn_fn)
+    wanted = part.state_dict().keys()
+    state = {k: v.detach().clone() for k, v in policy.state_dict().items() if k in wanted}
+    part.load_state_dict(state, strict=True, assign=True)
+    if cfg.tie_embeddings:  # assign=True replaced the shared tensor by two copies: share it again
+        part.lm_head.weight = part.embed_tokens.weight
+    return part
+
+
+def schedule_actions(kind: str, stage: int, num_stages: int, num_microbatches: int
+                     ) -> list[tuple[str, int]]:
+    """[("F" | "B", microbatch), ...] in the order stage ``stage`` runs them."""
+    M = num_microbatches
+    if kind == "gpipe":
+        return [("F", m) for m in range(M)] + [("B", m) for m in range(M)]
+    if kind != "1f1b":
+        raise ValueError(f"pipeline schedule must be '1f1b' or 'gpipe', got {kind!r}")
+    warmup = min(num_stages - 1 - stage, M)
+    actions = [("F", m) for m in range(warmup)]
+    for i in range(M - warmup):
+        actions += [("F", warmup + i), ("B", i)]
+    return actions + [("B", m) for m in range(M - warmup, M)]
+
+
+class PipeTransport:
+    """Every operation on the pipeline group goes through here and is recorded in ``trace`` as
+    (op, kind, peer stage, microbatch, shape)."""
+
+    def __init__(self, group, stage: int, num_stages: int):
+        self.group, self.stage, self.num_stages = group, stage, num_stages
+        self.ranks = dist.get_process_group_ranks(group) if num_stages > 1 else [0]
+        self.trace: list[tuple] = []
+        self._sends: list = []
+
+    def send(self, tensor: Tensor, to_stage: int, kind: str, m: int) -> None:
+        self.trace.append(("send", kind, to_stage, m, tuple(tensor.shape)))
+        self._sends.append(dist.isend(tensor.detach().contiguous(), self.ranks[to_stage],
+                                      group=self.group))
+
+    def recv(self, like: Tensor, shape: tuple, from_stage: int, kind: str, m: int) -> Tensor:
+        self.trace.append(("recv", kind, from_stage, m, tuple(shape)))
+        buf = torch.empty(shape, dtype=like.dtype, device=like.device)
+        dist.recv(buf, self.ranks[from_stage], group=self.group)
+        return buf
+
+    def finish(self) -> None:
+        """Wait for this step's sends: every one has its receive in the peer's schedule."""
+        for work in self._sends:
+            work.wait()
+        self._sends.clear()
+
+
+@dataclass
+class PipelineStep:
+    """One stage's part of a pipelined training step; `run` returns the step's policy loss on the
+    last stage (None elsewhere) and leaves the gradients in ``model``.
+
+    taps: a TapChannel (or any object with begin_step / set_microbatch / after_forward / end_step),
+    already attached to ``model``; None runs without taps. on_last_backward(mb, logits_TV, M): called
+    on the last stage right after microbatch mb's backward, with the detached logits and the
+    step's number of microbatches (the draft's co-training step, `DraftCoTraining`).
+    """
+
+    model: Transformer
+    transport: PipeTransport
+    loss_fn: Callable[[Tensor, Microbatch], Tensor]
+    schedule: str = "1f1b"
+    taps: object | None = None
+    on_last_backward: Callable[[Microbatch, Tensor, int], None] | None = None
+    _saved: dict = field(default_factory=dict)
+
+    def run(self, microbatches: list[Microbatch], step: int = 0) -> float | None:
+        t = self.transport
+        self.first, self.last = t.stage == 0, t.stage == t.num_stages - 1
+        self._like = next(self.model.parameters())
+        self._loss, self._num_microbatches = torch.zeros(()), len(microbatches)
+        for i, mb in enumerate(microbatches):
+            if mb.index != i:
+                raise ValueError(f"microbatch {i} of the step has index {mb.index}: indices must be 0..M-1 "
+                                 f"in order (they are the taps' stamps)")
+        if self.taps is not None:
+            self.taps.begin_step(step, [len(mb.tokens) for mb in microbatches])
+        for op, m in schedule_actions(self.schedule, t.stage, t.num_stages, len(microbatches)):
+            (self._forward if op == "F" else self._backward)(microbatches[m])
+        t.finish()
+        if self.taps is not None:
+            self.taps.end_step()
+        return float(self._loss) if self.last else None  # one device sync for the loss, not M
+
+    def _forward(self, mb: Microbatch) -> None:
+        t, m = self.transport, mb.index
+        cu = mb.cu_seqlens.to(self._like.device)
+        if self.taps is not None:
+            self.taps.set_microbatch(m)  # the stamp of the taps this forward posts
+        if self.first:
+            x = None
+            out = self.model(mb.tokens.to(cu.device)[None], cu_seqlens=cu)
+        else:
+            shape = (1, len(mb.tokens), self.model.config.hidden_size)
+            x = t.recv(self._like, shape, t.stage - 1, "act", m).requires_grad_()
+            out = self.model(inputs_embeds=x, cu_seqlens=cu)
+        if self.last:
+            loss = self.loss_fn(out.logits[0], mb)
+            self._saved[m] = (x, loss, out.logits[0].detach())
+        else:
+            # Ordering invariant: the forward's tap sends (posted by hooks) precede this send.
+            t.send(out.hidden, t.stage + 1, "act", m)
+            self._saved[m] = (x, out.hidden, None)
+        if self.taps is not None:
+            self.taps.after_forward(m)
+
+    def _backward(self, mb: Microbatch) -> None:
+        t, m = self.transport, mb.index
+        x, out, logits = self._saved.pop(m)
+        if self.last:
+            out.backward()
+            self._loss = self._loss.to(out.device) + out.detach()
+        else:
+            grad = t.recv(self._like, tuple(out.shape), t.stage + 1, "grad", m)
+            torch.autograd.backward(out, grad)
+        if not self.first:
+            t.send(x.grad, t.stage - 1, "grad", m)
+        if self.last and self.on_last_backward is not None:
+            # After the gradient left, so upstream stages are not held up by the draft.
+            self.on_last_backward(mb, logits, self._num_microbatches)
+
+
+def pipeline_groups(ranks: list[int] | None = None):
+    """(pipeline group, tap group): two groups over the same ranks (default: the world), created in
+    this order on every rank. TapChannel gets the second and never touches the first."""
+    ranks = list(range(dist.get_world_size())) if ranks is None else ranks
+    return dist.new_group(ranks), dist.new_group(ranks)
+
+
+class DraftCoTraining:
+    """The draft's EAGLE-3 TTT loss on the last stage, one microbatch at a time: pass it as
+    `PipelineStep.on_last_backward`.
+
+    Features: the taps of ``draft.tap_layers`` that ``taps`` (the last stage's TapChannel) delivered
+    for the microbatch, waited for here and only here; target: the stage's own logits, detached. The
+    draft's step loss is the mean over microbatches of `ttt_loss`, scaled by ``weight`` (lambda in
+    L = L_policy + lambda * L_draft). Its graph starts from detached tensors, so its gradients
+    reach only the draft's parameters.
+    """
+
+    def __init__(self, draft, taps, *, num_ttt_steps: int = 3, weight: float = 1.0):
+        self.draft, self.taps = draft, taps
+        self.num_ttt_steps, self.weight = num_ttt_steps, weight
+        self.losses: list[float] = []
+
+    def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
+        device = logits_TV.device
+        batch = TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
+                         loss_mask=mb.loss_mask.to(device),
+                         taps=self.taps.wait(mb.index, self.draft.tap_layers), policy_logits=logits_TV)
+        loss, _ = ttt_loss(self.draft, batch, num_steps=self.num_ttt_steps)
+        (loss * (self.weight / num_microbatches)).backward()
+        self.losses.append(loss.item())
+
+
+def co_trained_step(model: Transformer, *, stage_layers: list[range], stage: int, pipe_group,
+                    tap_group, loss_fn, tap_layers, max_microbatches: int, max_tokens: int,
+                    draft=None, schedule: str = "1f1b", num_ttt_steps: int = 3,
+                    draft_weight: float = 1.0) -> PipelineStep:
+    """The pipelined policy step with the draft co-trained on the last stage, wired on one rank.
+
+    model: this rank's stage (`build_stage`); tap_layers: the layers TapChannel carries, the same on
+    every rank (the draft's ``tap_layers``, or more); draft: the draft on the last stage (ignored
+    elsewhere). The returned step's ``taps`` is this rank's TapChannel and, on the last stage,
+    ``on_last_backward`` its `DraftCoTraining`.
+    """
+    taps = TapChannel(tap_group, stage=stage, stage_layers=stage_layers, tap_layers=tap_layers,
+                      max_microbatches=max_microbatches, max_tokens=max_tokens,
+                      hidden_size=model.config.hidden_size, dtype=next(model.parameters()).dtype,
+                      device=next(model.parameters()).device)
+    taps.attach(model)
+    co_train = None
+    if stage == len(stage_layers) - 1 and draft is not None:
+        co_train = DraftCoTraining(draft, taps, num_ttt_steps=num_ttt_steps, weight=draft_weight)
+    return PipelineStep(model, PipeTransport(pipe_group, stage, len(stage_layers)), loss_fn,
+                        schedule=schedule, taps=taps, on_last_backward=co_train)
