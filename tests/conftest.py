@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from cospec.parallel.local_ranks import run_ranks
+from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline_checks import (RunSpec, pipelined_runs, random_microbatches,
                                              reference_step, tiny_draft, tiny_policy)
 
@@ -63,8 +63,8 @@ def pipeline_case(request) -> PipelineCase:
     num_ranks = request.param
     stage_sizes, num_microbatches = CASES[num_ranks]
     # A hang must fail, not block: 120 s is ~10x what this takes on a busy 2-core machine.
-    results = run_ranks(pipelined_runs, num_ranks, stage_sizes, num_microbatches, SPECS,
-                        timeout_s=120)
+    results = spawn(pipelined_runs, num_ranks, stage_sizes, num_microbatches, SPECS,
+              timeout_s=120, deadline_s=120)
     with single_thread():  # like the ranks: GEMM results depend on the thread count
         policy = tiny_policy()
         reference = reference_step(policy, random_microbatches(num_microbatches), ALL_LAYERS,

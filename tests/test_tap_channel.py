@@ -13,7 +13,7 @@ bytes, and a stage computes exactly what the whole model computes for its layers
 import pytest
 import torch
 
-from cospec.parallel.local_ranks import run_ranks
+from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import split_layers
 from cospec.parallel.pipeline_checks import TINY, RunSpec, stamp_mismatch, tiny_policy
 from cospec.parallel.tap_channel import TapChannel, tap_owners
@@ -74,7 +74,7 @@ def test_delivered_features_are_bit_identical_to_the_single_process_taps(pipelin
 def test_a_stamp_mismatch_is_an_error_and_hangs_nobody():
     """The source stamps step 1, the draft stage awaits step 0: the draft stage raises TapStampError
     naming both stamps, and the source's end_step still returns (deadline 60 s)."""
-    source, draft = run_ranks(stamp_mismatch, 2, timeout_s=60)
+    source, draft = spawn(stamp_mismatch, 2, timeout_s=60, deadline_s=60)
     assert source == ""
     assert "expected (step, microbatch, layer, tokens) = (0, 0, 1," in draft
     assert "got (1, 0, 1," in draft

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.llama import Transformer
-from cospec.parallel.local_ranks import run_ranks
+from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
                                       build_stage, pipeline_groups, split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel, tap_owners
@@ -238,7 +238,7 @@ def run(pp_sizes=(2, 4), settings: BenchSettings | None = None, json_path: str |
     s = settings or BenchSettings(model=ModelConfig())
     rows = []
     for num_ranks in pp_sizes:
-        per_rank = run_ranks(bench_ranks, num_ranks, s, timeout_s=900)
+        per_rank = spawn(bench_ranks, num_ranks, s, timeout_s=900, deadline_s=900)
         rows += summarize(num_ranks, per_rank, s)
     print(f"policy {s.model.num_layers} layers x {s.model.hidden_size}, {s.num_microbatches} "
           f"microbatches of {s.seqs_per_microbatch * s.seq_len} tokens, 1F1B, {s.repeats} repeats "

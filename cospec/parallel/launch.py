@@ -1,4 +1,4 @@
-"""Process groups for context parallelism: under torchrun, or spawned on one machine (tests, bench).
+"""Process groups for cp and pp: under torchrun, or spawned on one machine (tests, benchmarks).
 
 Every group is created with an explicit timeout, so a rank that died or never reached a collective
 fails the others after ``timeout_s`` instead of hanging them (the default is 30 minutes).
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable
@@ -45,15 +46,33 @@ def _worker(rank: int, fn: Callable, num_ranks: int, workdir: str, backend: str,
 
 
 def spawn(fn: Callable[..., Any], num_ranks: int, *args: Any, backend: str = "gloo",
-          timeout_s: float = 60.0) -> list[Any]:
+          timeout_s: float = 60.0, deadline_s: float | None = None) -> list[Any]:
     """Run ``fn(rank, num_ranks, *args)`` in ``num_ranks`` fresh processes joined in one group;
     return each rank's result (must be picklable by torch.save), in rank order.
 
     ``fn`` must be importable (module level). An exception on any rank is re-raised here
     (torch.multiprocessing.ProcessRaisedException, with the rank's traceback).
+
+    ``timeout_s`` is the process group's timeout (a collective whose peer is gone fails after it).
+    Hard deadline: if any rank is still running ``deadline_s`` (default: timeout_s + 30) seconds
+    after the start, every rank is killed and `TimeoutError` is raised: read it as a hang (deadlock) in what ``fn`` ran. The
+    process-group timeout alone does not give that: a rank stuck in a Python wait, or in a receive
+    whose peer is itself stuck, may never reach a timed gloo call.
     """
     with tempfile.TemporaryDirectory(prefix="cospec-dist-") as workdir:
-        mp.start_processes(_worker, args=(fn, num_ranks, workdir, backend, timeout_s, args),
-                           nprocs=num_ranks, join=True, start_method="spawn")
+        ctx = mp.start_processes(_worker, args=(fn, num_ranks, workdir, backend, timeout_s, args),
+                                 nprocs=num_ranks, join=False, start_method="spawn")
+        deadline_s = timeout_s + 30.0 if deadline_s is None else deadline_s
+        deadline = time.monotonic() + deadline_s
+        while not ctx.join(timeout=max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                alive = [r for r, p in enumerate(ctx.processes) if p.is_alive()]
+                for p in ctx.processes:
+                    if p.is_alive():
+                        p.kill()
+                for p in ctx.processes:
+                    p.join()
+                raise TimeoutError(f"ranks {alive} of {num_ranks} still running after {deadline_s:.0f}s: "
+                                   f"a hang in {getattr(fn, '__name__', fn)}")
         return [torch.load(Path(workdir) / f"result{r}.pt", weights_only=False)
                 for r in range(num_ranks)]
