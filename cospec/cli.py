@@ -236,7 +236,7 @@ def cmd_bench(args) -> int:
         cfg = _resolve(args)
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
         rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
-                        json_path=args.json, hf=not args.no_hf)
+                        json_path=args.json, hf=not args.no_hf, workload=args.workload)
         return 0
     if args.what == "generation":
         cfg = _resolve(args)
@@ -287,6 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
     b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
+    b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
+                   help="rollout: the RL prompt mix, or its long tail (long copy answers)")
     b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
     b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
     b.add_argument("--json", help="also write the rows as JSON to this path")

@@ -1,7 +1,8 @@
 """`cospec bench rollout`: plain vs speculative rollouts (fixed and adaptive gamma) vs HF assisted
 generation, on the SFT policy and its trained drafts, measured side by side in one run.
 
-Workload: task-suite prompts (the RL workload: EOS on, responses of 1-40 tokens), the config's
+Workload (``--workload``): ``tasks``, task-suite prompts (the RL workload: EOS on, responses of
+1-40 tokens, ~6 on average), or ``long``, the suite's long tail (copy answers of 24-40 tokens); the config's
 sampling (temperature 1 by default), ``sampling.max_new_tokens``. Per batch size B every method
 answers the same prompts (2B of them, at least 16) with the same seed; methods run interleaved,
 ``repeats`` times each after one warm-up, and tokens/s is total tokens over total seconds, so slow
@@ -21,6 +22,7 @@ assistant's knobs are read from its own generation_config: num_assistant_tokens 
 
 from __future__ import annotations
 
+import copy
 import json
 import platform
 import random
@@ -29,15 +31,27 @@ import time
 import torch
 
 from cospec.config import RunConfig, SamplingConfig
-from cospec.rl.tasks import TaskSuite
+from cospec.rl.tasks import Copy, TaskSuite, encode_prompt
 from cospec.rl.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
 
-def task_prompts(cfg: RunConfig, n: int, seed: int = 2024) -> list[list[int]]:
-    suite, tok, rng = TaskSuite(cfg.task), CharTokenizer(), random.Random(seed)
+def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks") -> list[list[int]]:
+    """``tasks``: the RL prompt mix (responses of ~6 tokens on average). ``long``: the long tail of
+    the same suite, copy prompts whose answers have 24-40 characters (what a rollout batch still
+    decodes after the short answers have finished)."""
+    tok, rng = CharTokenizer(), random.Random(seed)
+    if workload == "long":
+        copy_family = Copy(mean_len=30.0, max_len=40)
+        examples = []
+        while len(examples) < n:
+            ex = copy_family.sample(rng)
+            if len(ex.answer) >= 24:
+                examples.append(ex)
+        return [encode_prompt(e, tok) for e in examples]
+    suite = TaskSuite(cfg.task)
     return [suite.encode_prompt(suite.sample(rng), tok) for _ in range(n)]
 
 
@@ -72,13 +86,14 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
         for name, engine in engines.items():  # warm-up (and the adaptive engine's calibration)
             engine.generate(prompts[:batch_size], sampling,
                             generator=torch.Generator(device=device).manual_seed(seed))
+    # The ideal speedup uses the calibrated costs alone (the online averages drift with the run).
+    cost = copy.deepcopy(controller.cost)
     for r in range(repeats):
         for name, engine in engines.items():
             gen = torch.Generator(device=device).manual_seed(seed + 1 + r)
             timers[name].add(engine.generate(prompts, sampling, generator=gen))
     spec_stats = [res.stats for res in timers["spec"].results]
     tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
-    cost = controller.cost
     ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1)
                                                      + gamma * cost.draft_cost(batch_size))
     gamma_mix: dict[int, int] = {}
@@ -143,7 +158,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
-            hf: bool = True) -> dict:
+            hf: bool = True, workload: str = "tasks") -> dict:
     """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
     from cospec.cli import load_or_train_sft, pick_device
     from cospec.config import apply
@@ -158,10 +173,11 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
                               max_new_tokens=s.max_new_tokens)
     print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
           f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {gamma}, temperature "
-          f"{s.temperature}, threads {torch.get_num_threads()}, device {device}")
+          f"{s.temperature}, workload {workload}, threads {torch.get_num_threads()}, device {device}")
     rows = []
     for B in batch_sizes:
-        prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1))
+        prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1),
+                               workload=workload)
         rows.append(bench_batch_size(policy, eagle, prompts, sampling, batch_size=B, gamma=gamma,
                                      repeats=repeats))
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
@@ -169,7 +185,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     if hf:
         lm_cfg = apply(cfg, {"draft": {"kind": "lm"}})
         draft_lm, _ = load_or_train_draft(lm_cfg, policy)
-        prompts = task_prompts(cfg, 8 if quick else 16, seed=77)
+        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload)
         same = bench_batch_size(policy, draft_lm, prompts, sampling, batch_size=1, gamma=gamma,
                                 repeats=repeats)
         # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
@@ -189,7 +205,8 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     print(format_table(rows))
     out["meta"] = {"model": cfg.to_dict()["model"], "gamma": gamma, "sampling": cfg.to_dict()["sampling"],
                    "torch": torch.__version__, "machine": platform.machine(),
-                   "threads": torch.get_num_threads(), "device": str(device), "quick": quick}
+                   "threads": torch.get_num_threads(), "device": str(device), "quick": quick,
+                   "workload": workload}
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=2)

@@ -172,15 +172,19 @@ class SpeculativeEngine(GenerationEngine):
         done: list[Completion | None] = [None] * len(prompts)
         num_forwards = 0
         while queue or any(s is not None for s in self.slots):
-            t0 = _now(self.seq_BS)
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
+                t_refill = _now(self.seq_BS)
                 self._refill(free, [queue.popleft() for _ in free], prompts, sampling, generator,
                              done, on_finish)
                 num_forwards += 1
+                self.stats.other_seconds += _now(self.seq_BS) - t_refill
             active = [s for s, row in enumerate(self.slots) if row is not None]
             if not active:
                 continue
+            # The step's own time (no refill: prefill cost does not depend on gamma, and counting
+            # it would make every gamma look alike to the controller).
+            t0 = _now(self.seq_BS)
             gamma = self.controller.choose(len(active)) if self.controller else self.gamma
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             num_forwards += 1
@@ -278,6 +282,7 @@ class SpeculativeEngine(GenerationEngine):
                                      rows_t, width_N)
         last = torch.arange(len(active), device=device), width_N - 1
         logits_NV, state_NC = logits[last], None if state is None else state[last]
+        self._single_steps_start = _now(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
         drafts, qs = [], []
         for j in range(gamma):
             q_NV = probs_from_logits(logits_NV, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -288,6 +293,7 @@ class SpeculativeEngine(GenerationEngine):
                 logits, state = self.drafter(self.draft_cache, x_N[:, None],
                                              None if state_NC is None else state_NC[:, None], rows_t)
                 logits_NV, state_NC = logits[:, 0], None if state is None else state[:, 0]
+        self._single_steps_end = _now(self.seq_BS)
         self.draft_cache.truncate(n_N + 1, rows_t)  # drop the speculative entries
         for s in active:
             self.e[s] = self.n[s] + 1
@@ -311,8 +317,11 @@ class SpeculativeEngine(GenerationEngine):
             plain_step = self.controller.cost.verify_cost(len(active), 1)
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
             self.controller.cost.observe_verify(len(active), gamma + 1, verify_s)
+            if gamma > 1:  # per-step cost from the single-entry steps 2..G (not the catch-up,
+                # whose width grows with the steps spent at gamma 0 and would inflate the estimate)
+                single = self._single_steps_end - self._single_steps_start
+                self.controller.cost.observe_draft(len(active), single / (gamma - 1))
             if gamma > 0:
-                self.controller.cost.observe_draft(len(active), draft_s / gamma)
                 self.controller.observe_acceptance(gamma, ks)
 
     def _add_overshoot(self, p_NGV: Tensor, q_NGV: Tensor, draft_NG: Tensor) -> None:
