@@ -205,12 +205,13 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
 # ----------------------------------------------------------------------------- adaptive gamma
 
 def synthetic_costs(batch_sizes=(1, 8, 64), gamma_max=4):
-    """A forward costs 10 ms + 0.3 ms per token (N * T); a draft step 1 ms + 0.05 ms per row."""
+    """A forward costs 10 ms + 0.3 ms per token (N * T); a draft call 1 ms + 0.05 ms per entry."""
     cost = CostModel()
     for n in batch_sizes:
         for t in range(1, gamma_max + 2):
             cost.observe_verify(n, t, 0.010 + 0.0003 * n * t)
-        cost.observe_draft(n, 0.001 + 0.00005 * n)
+        for t in range(1, gamma_max + 2):
+            cost.observe_draft(n, t, 0.001 + 0.00005 * n * t)
     return cost
 
 
@@ -229,7 +230,22 @@ def test_adaptive_controller_speculates_with_a_good_draft_and_backs_off_at_large
     # At 64 rows verifying 5 tokens costs 0.106 s against 0.029 s for 1: fewer drafts pay.
     assert ctl.choose(64) < ctl.choose(1)
     expected = [ctl.throughput(64, g) for g in range(5)]
-    assert ctl.choose(64) == max(range(5), key=lambda g: expected[g])
+    best = max(range(5), key=lambda g: expected[g])
+    # Speculation is switched on only for a predicted gain of at least the margin (10%).
+    assert ctl.choose(64) == (best if expected[best] >= 1.1 * expected[0] else 0)
+
+
+def test_controller_keeps_plain_decoding_when_the_predicted_gain_is_below_the_margin():
+    cost = CostModel()
+    for t in range(1, 6):  # verifying T tokens costs T plain steps: speculation gains nothing
+        cost.observe_verify(8, t, 0.01 * t)
+        cost.observe_draft(8, t, 0.0)
+    ctl = AdaptiveGamma(4, cost, probe_every=3)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [4] * 8)
+    # E(G) / (G + 1) < 1 for any acceptance < 1: never worth it, and a perfect draft only ties,
+    # so the controller does not even probe.
+    assert [ctl.choose(8) for _ in range(10)] == [0] * 10
 
 
 def test_controller_probes_after_a_run_of_plain_steps():

@@ -9,7 +9,7 @@ answers the same prompts (2B of them, at least 16) with the same seed; methods r
 drift of the machine hits all methods alike.
 
 Ideal speedup (what the cost model predicts from the measured tau, Leviathan et al. Sec. 3.4):
-    ideal = tau * verify(B, 1) / (verify(B, G + 1) + G * draft(B))
+    ideal = tau * verify(B, 1) / (verify(B, G + 1) + draft(B, ceil(tau)) + (G - 1) * draft(B, 1))
 with verify/draft the calibrated forward costs at B rows (`cospec.rollout.adaptive`); it leaves out
 prefill, sampling and bookkeeping, so measured/ideal says how much of the rest eats the gain.
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import platform
 import random
 import time
@@ -94,8 +95,8 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             timers[name].add(engine.generate(prompts, sampling, generator=gen))
     spec_stats = [res.stats for res in timers["spec"].results]
     tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
-    ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1)
-                                                     + gamma * cost.draft_cost(batch_size))
+    draft_s = cost.draft_cost(batch_size, math.ceil(tau)) + (gamma - 1) * cost.draft_cost(batch_size, 1)
+    ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1) + draft_s)
     gamma_mix: dict[int, int] = {}
     for res in timers["adaptive"].results:
         for g, c in res.stats.gamma_counts.items():
@@ -112,7 +113,7 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "spec_time_split": {"draft": last.draft_seconds, "verify": last.verify_seconds,
                                 "other": last.other_seconds},
             "verify_cost_ratio": cost.verify_cost(batch_size, gamma + 1) / cost.verify_cost(batch_size, 1),
-            "draft_cost_ratio": cost.draft_cost(batch_size) / cost.verify_cost(batch_size, 1)}
+            "draft_cost_ratio": cost.draft_cost(batch_size, 1) / cost.verify_cost(batch_size, 1)}
 
 
 def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,

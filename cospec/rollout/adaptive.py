@@ -7,9 +7,11 @@ probability a_j given that positions < j were (Leviathan et al. 2211.17192, Eq. 
 one rate a to one per position):
     E(G) = 1 + sum_{i=1..G} prod_{j<=i} a_j          (= (1 - a^(G+1)) / (1 - a) when all a_j = a)
 and the step costs
-    cost(N, G) = verify(N, G + 1) + G * draft(N) + other(N)
-(verify(N, T): one policy forward of N rows with T tokens each; draft(N): one draft step; other:
-sampling and bookkeeping, the same for every G). The controller picks
+    cost(N, G) = verify(N, G + 1) + draft(N, ceil(E(G))) + (G - 1) * draft(N, 1)
+(verify(N, T): one policy forward of N rows with T tokens each, with the step's sampling, acceptance
+test and bookkeeping, which grow with T too; draft(N, T): one draft call over T entries per row.
+A step's first draft call catches the draft up on the tokens the previous step accepted, about E(G)
+per row, so it costs like a T = E(G) call; the other G - 1 calls take one entry). The controller picks
     argmax_G  N * E(G) / cost(N, G),   G in 0..gamma_max,
 G = 0 being plain decoding (E = 1, no draft). So speculation switches itself off at batch sizes where
 verifying G + 1 tokens costs nearly G + 1 decode steps, and back on as the batch drains in the tail.
@@ -24,30 +26,36 @@ measured, so every ``probe_every`` steps at G = 0 the controller drafts once (G 
 from __future__ import annotations
 
 import bisect
+import math
 
 
 class CostModel:
-    """Seconds per policy forward (by rows N and tokens per row T), per draft step and other work
-    (by N). ``ema``: weight of a new measurement."""
+    """Seconds per verify step and per draft call, each by rows N and tokens (entries) per row T.
+    ``ema``: weight of a new measurement."""
 
     def __init__(self, ema: float = 0.2):
         self.ema = ema
         self.verify: dict[int, dict[int, float]] = {}  # T -> {N: seconds}
-        self.draft: dict[int, float] = {}  # N -> seconds per draft step
-        self.other: dict[int, float] = {}  # N -> seconds per step
+        self.draft: dict[int, dict[int, float]] = {}  # T -> {N: seconds per draft call}
+
+    @staticmethod
+    def bucket(n: int) -> int:
+        """The power of two nearest to n in log scale: measurements of 60 and of 64 rows feed one
+        entry, so every T at a batch size is refined by the same online average (a table keyed by
+        exact N would compare online entries, overheads included, with calibrated neighbours)."""
+        lo = 1 << (max(n, 1).bit_length() - 1)
+        return lo if n * n < 2 * lo * lo else 2 * lo
 
     def _update(self, table: dict[int, float], n: int, seconds: float) -> None:
+        n = self.bucket(n)
         old = table.get(n)
         table[n] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
     def observe_verify(self, n: int, t: int, seconds: float) -> None:
         self._update(self.verify.setdefault(t, {}), n, seconds)
 
-    def observe_draft(self, n: int, seconds_per_step: float) -> None:
-        self._update(self.draft, n, seconds_per_step)
-
-    def observe_other(self, n: int, seconds: float) -> None:
-        self._update(self.other, n, seconds)
+    def observe_draft(self, n: int, t: int, seconds: float) -> None:
+        self._update(self.draft.setdefault(t, {}), n, seconds)
 
     @staticmethod
     def _interpolate(table: dict[int, float], n: int) -> float | None:
@@ -69,11 +77,15 @@ class CostModel:
     def verify_cost(self, n: int, t: int) -> float | None:
         return self._interpolate(self.verify.get(t, {}), n)
 
-    def draft_cost(self, n: int) -> float | None:
-        return self._interpolate(self.draft, n)
-
-    def other_cost(self, n: int) -> float:
-        return self._interpolate(self.other, n) or 0.0
+    def draft_cost(self, n: int, t: int = 1) -> float | None:
+        """A call of t entries per row; past the widest measured t, linear in t from there."""
+        if not self.draft:
+            return None
+        widest = max(self.draft)
+        if t > widest:
+            base = self._interpolate(self.draft[widest], n)
+            return None if base is None else base * t / widest
+        return self._interpolate(self.draft.get(t, {}), n)
 
 
 def expected_tokens(accept_by_position: list[float], gamma: int) -> float:
@@ -90,15 +102,18 @@ class AdaptiveGamma:
 
     prior / prior_weight: the acceptance a position starts from, as that many pseudo-observations.
     decay: per-step forgetting factor of the acceptance counts (tracks a changing draft).
+    margin: the predicted gain speculation needs before it is switched on (0.1 = 10%).
     """
 
     def __init__(self, gamma_max: int, cost: CostModel | None = None, *, probe_every: int = 16,
-                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.98):
+                 prior: float = 0.5, prior_weight: float = 2.0, decay: float = 0.98,
+                 margin: float = 0.1):
         if gamma_max < 1:
             raise ValueError(f"gamma_max must be >= 1, got {gamma_max}")
         self.gamma_max = gamma_max
         self.cost = cost or CostModel()
         self.probe_every = probe_every
+        self.margin = margin
         self.prior, self.prior_weight, self.decay = prior, prior_weight, decay
         self.reached = [0.0] * gamma_max  # rows whose draft position j was judged
         self.accepted = [0.0] * gamma_max  # of those, rows that accepted it
@@ -121,22 +136,49 @@ class AdaptiveGamma:
     def throughput(self, n: int, gamma: int) -> float | None:
         """Expected tokens per second of a step of n rows with `gamma`; None if a cost is unknown."""
         verify = self.cost.verify_cost(n, gamma + 1)
-        draft = self.cost.draft_cost(n) if gamma > 0 else 0.0
-        if verify is None or draft is None:
+        tokens = expected_tokens(self.acceptance(), gamma)
+        draft = 0.0
+        if gamma > 0:
+            catch_up = self.cost.draft_cost(n, math.ceil(tokens))
+            single = self.cost.draft_cost(n, 1)
+            if catch_up is None or single is None:
+                return None
+            draft = catch_up + (gamma - 1) * single
+        if verify is None:
             return None
-        seconds = verify + gamma * draft + self.cost.other_cost(n)
-        return n * expected_tokens(self.acceptance(), gamma) / seconds
+        return n * tokens / (verify + draft)
 
     def choose(self, n: int) -> int:
-        """The gamma for the next step of n rows (may be a probe; see the module docstring)."""
+        """The gamma for the next step of n rows (may be a probe; see the module docstring).
+
+        Speculation must beat plain decoding by ``margin`` in the model: switching it on costs a
+        catch-up the model leaves out (the draft reads every entry accepted while it was off), and
+        near break-even the model's errors decide, so there plain decoding is the safe side. A probe
+        happens only where a perfect draft would pay: at batch sizes where even acceptance 1 loses,
+        knowing the acceptance better cannot change the choice.
+        """
         rates = {g: self.throughput(n, g) for g in range(self.gamma_max + 1)}
         known = {g: r for g, r in rates.items() if r is not None}
-        best = max(known, key=known.get) if known else self.gamma_max
+        if 0 not in known or len(known) == 1:
+            return max(known, key=known.get) if known else self.gamma_max
+        best = max(known, key=known.get)
+        if known[best] < (1 + self.margin) * known[0]:
+            best = 0
         if best == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero >= self.probe_every:
+            if self.steps_at_zero >= self.probe_every and self._could_pay(n):
                 self.steps_at_zero = 0
                 return self.gamma_max
         else:
             self.steps_at_zero = 0
         return best
+
+    def _could_pay(self, n: int) -> bool:
+        """Whether a draft accepted at every position would beat plain decoding by the margin."""
+        saved = self.accepted, self.reached
+        self.accepted = self.reached = [1e9] * self.gamma_max
+        try:
+            optimistic = max(self.throughput(n, g) or 0.0 for g in range(1, self.gamma_max + 1))
+        finally:
+            self.accepted, self.reached = saved
+        return optimistic >= (1 + self.margin) * (self.throughput(n, 0) or float("inf"))

@@ -193,7 +193,9 @@ class SpeculativeEngine(GenerationEngine):
             self.stats.verify_seconds += verify_s
             self.stats.other_seconds += other_s
             if self.controller is not None:
-                self.controller.cost.observe_other(len(active), other_s)
+                # The step's sampling, acceptance test and bookkeeping grow with gamma too: they
+                # count as part of the verify cost of (N, gamma + 1).
+                self.controller.cost.observe_verify(len(active), gamma + 1, verify_s + other_s)
         counts = [self.row_counts[i] for i in range(len(prompts))]
         self.stats.per_row_accept_length = [c[1] / max(c[0], 1) for c in counts]
         self.stats.per_row_judged = [c[2] for c in counts]
@@ -221,8 +223,14 @@ class SpeculativeEngine(GenerationEngine):
             self.feat_BSF[rows_N, 0] = 0
             self.feat_BSF[rows_N, 1:P + 1] = self.drafter.features(out.taps).to(self.feat_BSF.dtype)
         self.draft_cache.reset(rows_N)
+        # Draft prefill: the new rows' prompt entries 0..P-1 now, in a call of their own, so that
+        # the next step's catch-up is as narrow as the accepted tokens (a catch-up is padded to its
+        # widest row: a prompt there would make every active row pay for it).
+        idx_NP = torch.minimum(torch.arange(P, device=device)[None], lengths_N[:, None] - 1)
+        feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NP]
+        self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N, lengths_N)
         for s, n in zip(free, lengths):
-            self.n[s], self.e[s] = n, 0
+            self.n[s], self.e[s] = n, n
         self._record(free, [[t] for t in ids_N.tolist()], [[lp] for lp in logprobs_N.tolist()],
                      sampling, done, on_finish)
 
@@ -276,6 +284,7 @@ class SpeculativeEngine(GenerationEngine):
         e_N = torch.tensor([self.e[s] for s in active], device=device)
         width_N = n_N - e_N + 1  # entries e..n, n being the pending token's
         W = max(self.n[s] - self.e[s] + 1 for s in active)
+        self._draft_start, self._catch_up_width = _now(self.seq_BS), W
         idx_NW = torch.minimum(e_N[:, None] + torch.arange(W, device=device), n_N[:, None])
         feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NW]
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
@@ -316,11 +325,13 @@ class SpeculativeEngine(GenerationEngine):
         if self.controller is not None:
             plain_step = self.controller.cost.verify_cost(len(active), 1)
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
-            self.controller.cost.observe_verify(len(active), gamma + 1, verify_s)
-            if gamma > 1:  # per-step cost from the single-entry steps 2..G (not the catch-up,
-                # whose width grows with the steps spent at gamma 0 and would inflate the estimate)
-                single = self._single_steps_end - self._single_steps_start
-                self.controller.cost.observe_draft(len(active), single / (gamma - 1))
+            if gamma > 0:  # the catch-up call by its width, the single-entry calls apart
+                cost = self.controller.cost
+                cost.observe_draft(len(active), self._catch_up_width,
+                                   self._single_steps_start - self._draft_start)
+                if gamma > 1:
+                    single = self._single_steps_end - self._single_steps_start
+                    cost.observe_draft(len(active), 1, single / (gamma - 1))
             if gamma > 0:
                 self.controller.observe_acceptance(gamma, ks)
 
@@ -344,13 +355,14 @@ def _now(like: Tensor) -> float:
 
 
 def calibrate(engine: SpeculativeEngine, *, context: int = 32, repeats: int = 2) -> None:
-    """Measure verify(N, T) for T = 1..G+1 and draft(N) at N = 1, 2, 4, .. and the batch size,
+    """Measure verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and the batch size,
     into the engine controller's cost model (the online averages refine it during generation).
     Uses the engine's own caches on dummy tokens and leaves them empty."""
     cost, B, G = engine.controller.cost, engine.batch_size, engine.gamma
     device = engine.seq_BS.device
     sizes = sorted({min(2 ** i, B) for i in range(B.bit_length() + 1)})
     context = min(context, engine.capacity - 1)
+    scratch_rng = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG alone
     for N in sizes:
         rows_t = None if N == B else torch.arange(N, device=device)
         for T in range(1, G + 2):
@@ -359,20 +371,27 @@ def calibrate(engine: SpeculativeEngine, *, context: int = 32, repeats: int = 2)
                 engine.cache.reset()
                 engine.cache.advance(context)
                 t0 = _now(engine.seq_BS)
-                score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device), rows_t)
+                logits = score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device),
+                                      rows_t).logits
+                # What a step does with the logits, roughly: warp and draw at all N * T positions,
+                # then the host reads the results (the step's sync).
+                sample(probs_from_logits(logits.reshape(N * T, -1), 1.0), scratch_rng).tolist()
                 best = min(best, _now(engine.seq_BS) - t0)
             cost.observe_verify(N, T, best)
-        best = float("inf")
-        feats = (None if engine.feat_BSF is None
-                 else torch.zeros(N, 1, engine.feat_BSF.shape[-1], device=device,
-                                  dtype=engine.feat_BSF.dtype))
-        for _ in range(repeats + 1):
-            engine.draft_cache.reset()
-            engine.draft_cache.advance(context)
-            t0 = _now(engine.seq_BS)
-            engine.drafter(engine.draft_cache, torch.full((N, 1), 4, device=device), feats, rows_t)
-            best = min(best, _now(engine.seq_BS) - t0)
-        cost.observe_draft(N, best)
+        for T in range(1, G + 2):
+            best = float("inf")
+            feats = (None if engine.feat_BSF is None
+                     else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
+                                      dtype=engine.feat_BSF.dtype))
+            for _ in range(repeats + 1):
+                engine.draft_cache.reset()
+                engine.draft_cache.advance(context)
+                t0 = _now(engine.seq_BS)
+                logits, _ = engine.drafter(engine.draft_cache, torch.full((N, T), 4, device=device),
+                                           feats, rows_t)
+                sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # the draw of a step
+                best = min(best, _now(engine.seq_BS) - t0)
+            cost.observe_draft(N, T, best)
     engine.cache.reset()
     engine.draft_cache.reset()
 
