@@ -18,3 +18,38 @@ def test_sft_then_demo_reuses_the_checkpoint(tmp_path, capsys):
     assert main(["demo", *args]) == 0
     printed = capsys.readouterr().out
     assert "reusing SFT checkpoint" in printed and "sampled answers" in printed
+
+
+TINY = ["--recipe", "tiny", "sft.steps=3", "sft.warmup_steps=1", "sft.eval_prompts_per_family=2",
+        "draft.train_steps=3", "draft.num_train_prompts=8", "sampling.max_new_tokens=12"]
+
+
+def test_draft_train_then_speculative_cotraining_rl_then_a_refused_rerun(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["draft-train", *TINY, f"out_dir={out}"]) == 0
+    assert (out / "draft" / "draft.json").exists()
+    assert "tau" in capsys.readouterr().out
+    rl = [*TINY, f"out_dir={out}", "rollout.speculative=true", "draft.mode=cotrain", "grpo.steps=2"]
+    assert main(["train", *rl]) == 0
+    printed = capsys.readouterr().out
+    assert "reusing draft" in printed and "held-out reward" in printed
+    # A second run into the same out_dir must say what to do rather than mix two runs.
+    assert main(["train", *rl]) == 2
+    assert "--resume" in capsys.readouterr().err
+    # Resuming with another config is refused, naming the field.
+    assert main(["train", *rl, "--resume", "grpo.lr=1e-3"]) == 2
+    assert "grpo.lr" in capsys.readouterr().err
+
+
+def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
+    import json
+
+    out = tmp_path / "run"
+    assert main(["experiment", "stale-draft", "--modes", "none,frozen,cotrain-tv", *TINY,
+                 f"out_dir={out}", "grpo.steps=2"]) == 0
+    result = json.loads((out / "stale-draft" / "stale_draft.json").read_text())
+    assert set(result["modes"]) == {"none", "frozen", "cotrain-tv"}
+    assert all(len(h) == 2 for h in result["modes"].values())
+    assert "tau_first" in result["summary"]["frozen"] and "tau_first" not in result["summary"]["none"]
+    for png in ("tau_vs_step.png", "reward_vs_step.png", "step_time_split.png"):
+        assert (out / "stale-draft" / png).stat().st_size > 0

@@ -174,11 +174,13 @@ class GRPOTrainer:
         logp = grpo.token_logprobs(logits, targets, temperature)
         with torch.no_grad():
             ref_logits = self.reference(tokens, cu_seqlens=cu).logits[0]
-            kl_T = grpo.kl_to_reference(logits.detach(), ref_logits, temperature)
-        kl_for_loss = grpo.kl_to_reference(logits, ref_logits, temperature) if self.g.kl_coef else kl_T
+        # With a KL penalty the KL is part of the loss (gradient through logits); without, it is
+        # only logged.
+        kl_T = grpo.kl_to_reference(logits if self.g.kl_coef else logits.detach(), ref_logits,
+                                    temperature)
         out = grpo.clipped_policy_loss(logp, old, adv, mask, clip_low=self.g.clip_low,
-                                       clip_high=self.g.clip_high, kl_T=kl_for_loss,
-                                       kl_coef=self.g.kl_coef)
+                                       clip_high=self.g.clip_high, kl_T=kl_T, kl_coef=self.g.kl_coef)
+        kl_T = kl_T.detach()
         self.optimizer.zero_grad(set_to_none=True)
         out.loss.backward()
         grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.g.grad_clip)
