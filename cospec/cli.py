@@ -88,30 +88,54 @@ def cmd_sft(args) -> int:
     return 0
 
 
+DEMO_MODES = ("none", "frozen", "cotrain-ce")
+
+
 def cmd_demo(args) -> int:
-    """The main job (for now): SFT, then sample a few answers and show per-family accuracy."""
-    from cospec.rl.tasks import TaskSuite
-    from cospec.rl.tokenizer import CharTokenizer
-    from cospec.rollout.engine import GenerationEngine
+    """The main job: SFT, the initial draft, the same seeded GRPO run with plain rollouts, a frozen
+    draft and a co-trained draft, then the report and a summary table."""
+    from cospec.config import apply
+    from cospec.draft.offline import load_or_train_draft
+    from cospec.experiments import stale_draft
+    from cospec.metrics.report import write_report
 
     cfg = _resolve(args)
+    if not any(o.startswith("grpo.steps=") for o in args.overrides):
+        cfg = apply(cfg, {"grpo": {"steps": 20}})  # the demo's budget; override to run longer
     device = pick_device(cfg.device)
-    model, metrics = load_or_train_sft(cfg, device)
+    policy, metrics = load_or_train_sft(cfg, device)
     _print_accuracy(metrics)
-    suite, tok = TaskSuite(cfg.task), CharTokenizer()
-    rng = random.Random(999)
-    examples = [suite.sample_family(f.name, rng) for f in suite.families for _ in range(2)]
-    engine = GenerationEngine(model, batch_size=cfg.sampling.batch_size)
-    gen = torch.Generator(device=device).manual_seed(0)
-    result = engine.generate([suite.encode_prompt(e, tok) for e in examples], cfg.sampling,
-                             generator=gen)
-    print(f"\nsampled answers (temperature {cfg.sampling.temperature}):")
-    for ex, c in zip(examples, result.completions):
-        resp = tok.decode(c.tokens)
-        mark = "ok " if suite.reward(ex, resp) == 1.0 else "bad"
-        print(f"  [{mark}] {ex.prompt!r:48s} -> {resp!r}")
-    print(f"\n{result.num_tokens} tokens in {result.seconds:.2f}s "
-          f"({result.tokens_per_second:.0f} tok/s, {result.num_forwards} policy forwards)")
+    load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES))
+    out = Path(cfg.out_dir)
+    bench = out / "rollout.json"
+    report = write_report([out / "stale-draft" / m for m in DEMO_MODES], out / "report",
+                          bench_json=bench if bench.exists() else None, config=cfg.to_dict(),
+                          commands=["cospec demo " + " ".join(args.overrides)])
+    print(demo_summary(result["summary"]))
+    print(f"report: {report}")
+    return 0
+
+
+def demo_summary(summary: dict) -> str:
+    """The table the demo ends with (one row per mode)."""
+    head = f"{'mode':>11} {'reward start':>12} {'end':>6} {'tau start':>9} {'end':>6} " \
+           f"{'rollout x':>9} {'end-to-end x':>12} {'co-training share':>17}"
+    lines = [head, "-" * len(head)]
+    for mode, r in summary.items():
+        f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
+        lines.append(f"{mode:>11} {r['reward_first']:>12.3f} {r['reward_last']:>6.3f} "
+                     f"{f('tau_first', '.2f'):>9} {f('tau_last', '.2f'):>6} "
+                     f"{f('rollout_speedup_vs_none', '.2f'):>9} {f('e2e_speedup_vs_none', '.2f'):>12} "
+                     f"{r['train_draft_share']:>17.1%}")
+    return "\n".join(lines)
+
+
+def cmd_report(args) -> int:
+    from cospec.metrics.report import write_report
+
+    path = write_report(args.run_dirs, args.out, bench_json=args.bench)
+    print(f"wrote {path}")
     return 0
 
 
@@ -265,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sft", help="supervised fine-tuning of the policy on the task suite")
     _config_args(s)
     s.set_defaults(fn=cmd_sft)
+    rp = sub.add_parser("report", help="HTML report (with PNGs) from runs' metrics.jsonl")
+    rp.add_argument("run_dirs", nargs="+", help="directories holding metrics.jsonl (one per run)")
+    rp.add_argument("--out", default="report", help="output directory (report.html + PNGs)")
+    rp.add_argument("--bench", help="a `cospec bench rollout --json` file for speedup vs batch size")
+    rp.set_defaults(fn=cmd_report)
     d = sub.add_parser("demo", help="the main job on the embedded default config")
     _config_args(d)
     d.set_defaults(fn=cmd_demo)

@@ -8,16 +8,20 @@ def test_a_bad_override_exits_2_and_names_the_field(capsys):
     assert "model.num_heads" in capsys.readouterr().err
 
 
-def test_sft_then_demo_reuses_the_checkpoint(tmp_path, capsys):
+def test_sft_then_demo_reuses_the_checkpoint_and_ends_with_report_and_summary(tmp_path, capsys):
     out = tmp_path / "run"
     args = ["--recipe", "tiny", f"out_dir={out}", "sft.steps=3", "sft.warmup_steps=1",
-            "sft.eval_prompts_per_family=2"]
+            "sft.eval_prompts_per_family=2", "draft.train_steps=3", "draft.num_train_prompts=8",
+            "sampling.max_new_tokens=12", "grpo.steps=2"]
     assert main(["sft", *args]) == 0
     assert (out / "sft" / "model.safetensors").exists() and (out / "sft_metrics.json").exists()
     capsys.readouterr()
     assert main(["demo", *args]) == 0
     printed = capsys.readouterr().out
-    assert "reusing SFT checkpoint" in printed and "sampled answers" in printed
+    assert "reusing SFT checkpoint" in printed
+    for mode in ("none", "frozen", "cotrain-ce"):
+        assert any(line.strip().startswith(mode) for line in printed.splitlines()), mode
+    assert "co-training share" in printed and (out / "report" / "report.html").exists()
 
 
 TINY = ["--recipe", "tiny", "sft.steps=3", "sft.warmup_steps=1", "sft.eval_prompts_per_family=2",

@@ -35,6 +35,8 @@ MODES = {
     "cotrain-tv": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 1.0}},
     "oracle": {"rollout": {"speculative": True}, "draft": {"mode": "oracle"}},
 }
+COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain-ce": "tab:orange",
+          "cotrain-tv": "tab:green", "oracle": "tab:red"}  # one color per mode in every plot
 
 
 def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path):
@@ -106,8 +108,8 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     for mode, hist in runs.items():
         steps = [m["step"] if "step" in m else i + 1 for i, m in enumerate(hist)]
         if "accept_length" in hist[0]:
-            ax1.plot(steps, [m["accept_length"] for m in hist], label=mode)
-        ax2.plot(steps, [m["kl_from_init"] for m in hist], label=mode)
+            ax1.plot(steps, [m["accept_length"] for m in hist], label=mode, color=COLORS[mode])
+        ax2.plot(steps, [m["kl_from_init"] for m in hist], label=mode, color=COLORS[mode])
     ax1.set(xlabel="RL step", ylabel="tau (tokens per policy forward)", title="Draft freshness")
     ax2.set(xlabel="RL step", ylabel="KL(policy || initial policy) per token", title="Policy movement")
     ax1.legend(), ax2.legend()
@@ -118,7 +120,8 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     for mode, hist in runs.items():
-        ax.plot(range(1, len(hist) + 1), [m["reward"] for m in hist], label=mode, alpha=0.8)
+        ax.plot(range(1, len(hist) + 1), [m["reward"] for m in hist], label=mode, alpha=0.8,
+                color=COLORS[mode])
     ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
     ax.legend()
     fig.tight_layout()

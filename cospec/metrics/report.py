@@ -1,0 +1,213 @@
+"""`cospec report RUN_DIR...`: one self-contained HTML page (and its PNGs) from runs' JSONL logs.
+
+Each RUN_DIR holds a ``metrics.jsonl`` written by the GRPO trainer (`cospec train`, or one mode of
+`cospec experiment stale-draft`); its name labels the run. The page opens from disk in a browser
+without a server: figures are PNGs embedded as data URIs (and also written beside the page), the
+tables are plain HTML. A rollout benchmark JSON (`cospec bench rollout --json`) adds the speedup
+vs batch size figure.
+
+Figures: reward vs step; tau vs step beside the policy's KL from its start; acceptance per draft
+position; acceptance per task family; overshoot (share of drafted tokens with q > p) per draft
+position; step-time split; rollout speedup vs batch size.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+
+from cospec.metrics.run_log import read_jsonl
+
+COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
+
+
+def load_runs(run_dirs: list[str | Path]) -> dict[str, list[dict]]:
+    """{run name: training-step rows} (evaluation-only rows are kept out)."""
+    runs = {}
+    for d in run_dirs:
+        d = Path(d)
+        path = d / "metrics.jsonl" if (d / "metrics.jsonl").exists() else d / "rl" / "metrics.jsonl"
+        rows = [r for r in read_jsonl(path) if "reward" in r]
+        if not rows:
+            raise ValueError(f"{d}: no training steps in {path}")
+        runs[d.name if d.name != "rl" else d.parent.name] = rows
+    return runs
+
+
+def _mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _figure(draw, figsize=(6, 3.6)):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2 if figsize[0] > 8 else 1, figsize=figsize)
+    draw(fig, axes)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100)
+    plt.close(fig)
+    return buf.getvalue()
+
+
+def make_figures(runs: dict[str, list[dict]], bench: dict | None = None) -> dict[str, bytes]:
+    colors = {name: COLORS[i % len(COLORS)] for i, name in enumerate(runs)}
+    spec = {n: h for n, h in runs.items() if "accept_length" in h[0]}
+    figs = {}
+
+    def reward(fig, ax):
+        for n, h in runs.items():
+            ax.plot([r["step"] for r in h], [r["reward"] for r in h], label=n, color=colors[n], alpha=0.8)
+        ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
+        ax.legend()
+    figs["reward_vs_step.png"] = _figure(reward)
+
+    def tau_kl(fig, axes):
+        for n, h in runs.items():
+            if n in spec:
+                axes[0].plot([r["step"] for r in h], [r["accept_length"] for r in h], label=n, color=colors[n])
+            axes[1].plot([r["step"] for r in h], [r["kl_from_init"] for r in h], label=n, color=colors[n])
+        axes[0].set(xlabel="RL step", ylabel="tau", title="Accept length (tokens per policy forward)")
+        axes[1].set(xlabel="RL step", ylabel="KL per token", title="Policy KL from its start")
+        for ax in axes:
+            ax.legend()
+    figs["tau_and_kl_vs_step.png"] = _figure(tau_kl, figsize=(11, 3.6))
+
+    def grouped(values_by_run: dict[str, list[float | None]], labels, title, ylabel, xlabel):
+        def draw(fig, ax):
+            width = 0.8 / max(len(values_by_run), 1)
+            for i, (n, vals) in enumerate(values_by_run.items()):
+                xs = [j + i * width for j in range(len(labels))]
+                ax.bar(xs, [v or 0.0 for v in vals], width=width, label=n, color=colors[n])
+            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels)
+            ax.set(title=title, ylabel=ylabel, xlabel=xlabel)
+            ax.legend()
+        return draw
+
+    if spec:
+        positions = len(next(iter(spec.values()))[0]["acceptance_by_position"])
+        figs["acceptance_by_position.png"] = _figure(grouped(
+            {n: [_mean(r["acceptance_by_position"][j] for r in h) for j in range(positions)]
+             for n, h in spec.items()},
+            [str(j + 1) for j in range(positions)], "Acceptance per draft position", "acceptance",
+            "draft position"))
+        families = sorted({f for h in spec.values() for r in h for f in r.get("acceptance_by_family", {})})
+        figs["acceptance_by_family.png"] = _figure(grouped(
+            {n: [_mean(r.get("acceptance_by_family", {}).get(f) for r in h) for f in families]
+             for n, h in spec.items()}, families, "Acceptance per task family", "acceptance",
+            "task family"))
+        figs["overshoot_by_position.png"] = _figure(grouped(
+            {n: [_mean((r.get("overshoot_by_position") or [{}] * positions)[j].get("frac_q_above_p")
+                       if r.get("overshoot_by_position") and r["overshoot_by_position"][j] else None
+                       for r in h) for j in range(positions)] for n, h in spec.items()},
+            [str(j + 1) for j in range(positions)], "Overshoot: drafted tokens with q(x) > p(x)",
+            "share of drafted tokens", "draft position"))
+
+    def split(fig, ax):
+        parts = ["generate", "train_policy", "train_draft", "other"]
+        bottom = [0.0] * len(runs)
+        for part in parts:
+            vals = [_mean(r["time"].get(part, 0.0) for r in h[1:] or h) for h in runs.values()]
+            ax.bar(list(runs), vals, bottom=bottom, label=part)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.set(ylabel="seconds per RL step", title="Step time split")
+        ax.legend()
+    figs["step_time_split.png"] = _figure(split)
+
+    if bench and bench.get("results"):
+        def speedup(fig, ax):
+            rows = bench["results"]
+            bs = [r["batch_size"] for r in rows]
+            ax.plot(bs, [r["speedup"] for r in rows], "o-", label=f"gamma {bench.get('meta', {}).get('gamma', '')}")
+            ax.plot(bs, [r["adaptive_speedup"] for r in rows], "s-", label="adaptive")
+            ax.plot(bs, [r["ideal_speedup"] for r in rows], "x--", label="ideal (cost model)")
+            ax.axhline(1.0, color="gray", lw=0.8)
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="batch size", ylabel="tokens/s vs plain", title="Rollout speedup vs batch size")
+            ax.legend()
+        figs["rollout_speedup_vs_batch.png"] = _figure(speedup)
+    return figs
+
+
+def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
+    """One row per run: reward first/last, tau first/last, step time, generation/draft shares."""
+    k = max(1, len(next(iter(runs.values()))) // 5)
+    base = runs.get("none")
+    base_step = _mean(r["step_seconds"] for r in base[1:] or base) if base else None
+    out = []
+    for n, h in runs.items():
+        timed = h[1:] or h
+        row = {"run": n, "steps": len(h), "reward_first": _mean(r["reward"] for r in h[:k]),
+               "reward_last": _mean(r["reward"] for r in h[-k:]),
+               "tau_first": _mean(r.get("accept_length") for r in h[:k]),
+               "tau_last": _mean(r.get("accept_length") for r in h[-k:]),
+               "step_seconds": _mean(r["step_seconds"] for r in timed),
+               "generate_seconds": _mean(r["time"]["generate"] for r in timed),
+               "draft_share": _mean(r["time_share"].get("train_draft", 0.0) for r in timed)}
+        if base_step:
+            row["e2e_speedup"] = base_step / row["step_seconds"]
+            row["rollout_speedup"] = (_mean(r["time"]["generate"] for r in base[1:] or base)
+                                      / row["generate_seconds"])
+        out.append(row)
+    return out
+
+
+def _cell(v) -> str:
+    if v is None:
+        return "-"
+    return f"{v:.3f}" if isinstance(v, float) else html.escape(str(v))
+
+
+def write_report(run_dirs: list[str | Path], out_dir: str | Path, *, bench_json: str | Path | None = None,
+                 config: dict | None = None, commands: list[str] | None = None) -> Path:
+    """Write out_dir/report.html and the PNGs beside it; returns the HTML path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    runs = load_runs(run_dirs)
+    bench = json.loads(Path(bench_json).read_text()) if bench_json and Path(bench_json).exists() else None
+    figs = make_figures(runs, bench)
+    for name, png in figs.items():
+        (out / name).write_bytes(png)
+    rows = summary_rows(runs)
+    cols = list(rows[0])
+    table = "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + "".join(
+        "<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows) + "</table>"
+    images = "\n".join(
+        f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
+        f"<figcaption>{n}</figcaption></figure>" for n, p in figs.items())
+    extra = ""
+    if commands:
+        extra += "<h2>Commands</h2><pre>" + html.escape("\n".join(commands)) + "</pre>"
+    if config:
+        extra += "<h2>Config</h2><pre>" + html.escape(json.dumps(config, indent=2)) + "</pre>"
+    page = f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>cospec report</title>
+<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}figure{{display:inline-block;margin:8px}}
+img{{max-width:100%}}</style></head>
+<body><h1>cospec: speculative rollouts with a co-trained draft</h1>
+<p>Runs: {html.escape(", ".join(runs))}. Speculation is lossless, so the reward curves agree up to
+sampling noise; tau shows how fresh the draft is as the policy moves (its KL from the start).</p>
+<h2>Summary</h2>{table}
+<h2>Figures</h2>{images}
+{extra}
+<script>
+// For headless checks: how many figures decoded.
+window.addEventListener("load", () => {{
+  const imgs = [...document.images];
+  document.body.dataset.imagesTotal = imgs.length;
+  document.body.dataset.imagesLoaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
+}});
+</script>
+</body></html>
+"""
+    path = out / "report.html"
+    path.write_text(page)
+    return path

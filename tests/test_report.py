@@ -1,0 +1,61 @@
+"""Specification of `cospec report`: a self-contained page whose every figure loads in a browser.
+
+The runs come from a tiny stale-draft experiment (2 RL steps per mode). The browser check renders
+the page from disk in headless Chromium (no server) and reads back how many <img> decoded; it is
+skipped only where Chromium is not installed (.ci/run installs it).
+"""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from cospec.cli import main
+from cospec.metrics.report import write_report
+
+MODES = ("none", "frozen", "cotrain-ce")
+FIGURES = ("reward_vs_step.png", "tau_and_kl_vs_step.png", "acceptance_by_position.png",
+           "acceptance_by_family.png", "overshoot_by_position.png", "step_time_split.png",
+           "rollout_speedup_vs_batch.png")
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("run")
+    assert main(["experiment", "stale-draft", "--modes", ",".join(MODES), "--recipe", "tiny",
+                 f"out_dir={out}", "grpo.steps=2", "sft.steps=3", "sft.warmup_steps=1",
+                 "sft.eval_prompts_per_family=2", "draft.train_steps=3",
+                 "draft.num_train_prompts=8", "sampling.max_new_tokens=12"]) == 0
+    bench = out / "rollout.json"
+    bench.write_text('{"results": [{"batch_size": 1, "speedup": 1.4, "adaptive_speedup": 1.3, '
+                     '"ideal_speedup": 1.6}, {"batch_size": 16, "speedup": 1.1, '
+                     '"adaptive_speedup": 1.1, "ideal_speedup": 1.4}], "meta": {"gamma": 4}}')
+    return write_report([out / "stale-draft" / m for m in MODES], out / "report", bench_json=bench,
+                        commands=["cospec experiment stale-draft"])
+
+
+def test_the_page_embeds_every_figure_and_a_summary_row_per_run(report):
+    page = report.read_text()
+    assert page.count('src="data:image/png;base64,') == len(FIGURES)
+    for name in FIGURES:
+        assert (report.parent / name).stat().st_size > 1000, name
+        assert f"<figcaption>{name}</figcaption>" in page
+    for mode in MODES:
+        assert f"<td>{mode}</td>" in page
+    assert "http://" not in page and "https://" not in page  # nothing fetched: opens offline
+
+
+def _chromium():
+    return shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(_chromium() is None, reason="Chromium not installed (.ci/run installs it)")
+def test_every_figure_loads_in_headless_chromium(report):
+    dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=5000", "--dump-dom", report.as_uri()],
+                         capture_output=True, text=True, timeout=120).stdout
+    total = re.search(r'data-images-total="(\d+)"', dom)
+    loaded = re.search(r'data-images-loaded="(\d+)"', dom)
+    assert total and loaded, dom[:500]
+    assert int(total.group(1)) == len(FIGURES) == int(loaded.group(1))
