@@ -105,8 +105,8 @@ def cmd_demo(args) -> int:
     device = pick_device(cfg.device)
     policy, metrics = load_or_train_sft(cfg, device)
     _print_accuracy(metrics)
-    load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
-    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES))
+    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES), policy=policy, draft=draft, show=False)
     out = Path(cfg.out_dir)
     bench = out / "rollout.json"
     report = write_report([out / "stale-draft" / m for m in DEMO_MODES], out / "report",

@@ -145,15 +145,18 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     return paths
 
 
-def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None) -> dict:
+def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
+            draft=None, show: bool = True) -> dict:
+    """Run the modes (making or reusing the SFT policy and the offline draft unless given)."""
     from cospec.cli import load_or_train_sft, pick_device
     from cospec.draft.offline import load_or_train_draft
 
-    device = pick_device(cfg.device)
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
     out.mkdir(parents=True, exist_ok=True)
-    policy, _ = load_or_train_sft(cfg, device)
-    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    if policy is None:
+        policy, _ = load_or_train_sft(cfg, pick_device(cfg.device))
+    if draft is None:
+        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
@@ -162,7 +165,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None) -> 
     result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
     (out / "stale_draft.json").write_text(json.dumps(finite_or_none(result), indent=1))
     plot(runs, out)
-    print(format_summary(result["summary"]))
+    if show:
+        print(format_summary(result["summary"]))
     print(f"wrote {out / 'stale_draft.json'} and plots in {out}")
     return result
 
