@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from cospec.config import RunConfig, apply
+from cospec.metrics.report import summarise
 from cospec.metrics.run_log import finite_or_none
 
 MODES = {
@@ -66,35 +67,6 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
                 runs[mode].append({"step": trainer.step, **metrics})
                 advance(f"{mode}: {console_line(metrics)}")
     return runs
-
-
-def summarise(runs: dict[str, list[dict]]) -> dict:
-    def mean(xs):
-        xs = [x for x in xs if x is not None]
-        return sum(xs) / len(xs) if xs else float("nan")
-
-    k = max(1, len(next(iter(runs.values()))) // 5)  # first / last fifth of the run
-    # Times leave out step 1, which pays each trainer's one-time warm-up.
-    timed = {mode: hist[1:] or hist for mode, hist in runs.items()}
-    base_step = mean([m["step_seconds"] for m in timed["none"]]) if "none" in runs else None
-    out = {}
-    for mode, hist in runs.items():
-        row = {"reward_first": mean([m["reward"] for m in hist[:k]]),
-               "reward_last": mean([m["reward"] for m in hist[-k:]]),
-               "kl_last": mean([m["kl_from_init"] for m in hist[-k:]]),
-               "step_seconds": mean([m["step_seconds"] for m in timed[mode]]),
-               "generate_seconds": mean([m["time"]["generate"] for m in timed[mode]]),
-               "train_draft_share": mean([m["time_share"].get("train_draft", 0.0) for m in timed[mode]])}
-        if "accept_length" in hist[0]:
-            row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
-            row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
-            row["tau_retained"] = row["tau_last"] / row["tau_first"]
-        if base_step:
-            row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
-            row["rollout_speedup_vs_none"] = (mean([m["time"]["generate"] for m in timed["none"]])
-                                              / row["generate_seconds"])
-        out[mode] = row
-    return out
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:

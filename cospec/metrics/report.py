@@ -136,26 +136,31 @@ def make_figures(runs: dict[str, list[dict]], bench: dict | None = None) -> dict
     return figs
 
 
-def summary_rows(runs: dict[str, list[dict]]) -> list[dict]:
-    """One row per run: reward first/last, tau first/last, step time, generation/draft shares."""
-    k = max(1, len(next(iter(runs.values()))) // 5)
-    base = runs.get("none")
-    base_step = _mean(r["step_seconds"] for r in base[1:] or base) if base else None
-    out = []
-    for n, h in runs.items():
-        timed = h[1:] or h
-        row = {"run": n, "steps": len(h), "reward_first": _mean(r["reward"] for r in h[:k]),
-               "reward_last": _mean(r["reward"] for r in h[-k:]),
-               "tau_first": _mean(r.get("accept_length") for r in h[:k]),
-               "tau_last": _mean(r.get("accept_length") for r in h[-k:]),
-               "step_seconds": _mean(r["step_seconds"] for r in timed),
-               "generate_seconds": _mean(r["time"]["generate"] for r in timed),
-               "draft_share": _mean(r["time_share"].get("train_draft", 0.0) for r in timed)}
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """{run: reward, KL, tau over the first and last fifth of the run, mean step and generation
+    seconds, draft-training share, and speedups against the run named "none" when there is one}."""
+    mean = _mean
+    k = max(1, len(next(iter(runs.values()))) // 5)  # first / last fifth of the run
+    # Times leave out step 1, which pays each trainer's one-time warm-up.
+    timed = {mode: hist[1:] or hist for mode, hist in runs.items()}
+    base_step = mean([m["step_seconds"] for m in timed["none"]]) if "none" in runs else None
+    out = {}
+    for mode, hist in runs.items():
+        row = {"reward_first": mean([m["reward"] for m in hist[:k]]),
+               "reward_last": mean([m["reward"] for m in hist[-k:]]),
+               "kl_last": mean([m["kl_from_init"] for m in hist[-k:]]),
+               "step_seconds": mean([m["step_seconds"] for m in timed[mode]]),
+               "generate_seconds": mean([m["time"]["generate"] for m in timed[mode]]),
+               "train_draft_share": mean([m["time_share"].get("train_draft", 0.0) for m in timed[mode]])}
+        if "accept_length" in hist[0]:
+            row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
+            row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
+            row["tau_retained"] = row["tau_last"] / row["tau_first"]
         if base_step:
-            row["e2e_speedup"] = base_step / row["step_seconds"]
-            row["rollout_speedup"] = (_mean(r["time"]["generate"] for r in base[1:] or base)
-                                      / row["generate_seconds"])
-        out.append(row)
+            row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
+            row["rollout_speedup_vs_none"] = (mean([m["time"]["generate"] for m in timed["none"]])
+                                              / row["generate_seconds"])
+        out[mode] = row
     return out
 
 
@@ -175,8 +180,8 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, *, bench_json:
     figs = make_figures(runs, bench)
     for name, png in figs.items():
         (out / name).write_bytes(png)
-    rows = summary_rows(runs)
-    cols = list(rows[0])
+    rows = [{"run": name, **row} for name, row in summarise(runs).items()]
+    cols = list(dict.fromkeys(c for row in rows for c in row))
     table = "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows) + "</table>"
     images = "\n".join(

@@ -89,14 +89,6 @@ class SpeculationStats:
     def acceptance_by_position(self) -> list[float]:
         return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
 
-    def to_dict(self) -> dict:
-        return {"accept_length": self.accept_length,
-                "acceptance_by_position": self.acceptance_by_position,
-                "gamma_counts": dict(self.gamma_counts), "draft_seconds": self.draft_seconds,
-                "verify_seconds": self.verify_seconds, "other_seconds": self.other_seconds,
-                "plain_decode_estimate_seconds": self.plain_decode_estimate_seconds,
-                "overshoot_by_position": self.overshoot_by_position}
-
 
 @dataclass
 class SpeculativeResult(GenerationResult):
