@@ -181,8 +181,12 @@ class DraftConfig:
     cotrain_every: int = 1
     #: co-training: draft optimizer steps per RL step (one pass over the step's minibatches each)
     cotrain_iters: int = 1
-    #: co-training: AdamW learning rate of the draft
-    cotrain_lr: float = 1e-3
+    #: co-training: AdamW learning rate of the draft (1e-3 lowered tau in the first steps:
+    #: docs/results/cotrain.md)
+    cotrain_lr: float = 1e-4
+    #: co-training: the draft trains on at most this many of each step's tokens (whole sequences,
+    #: the first ones of each minibatch; 0 = all): its cost grows with them
+    cotrain_max_tokens: int = 2048
     #: draft loss mix: 0 = soft cross-entropy only, 1 = total variation only
     tv_weight: float = 0.0
     #: oracle mode: retrain the draft on the current policy every this many RL steps
@@ -194,6 +198,7 @@ class DraftConfig:
         _check(self.cotrain_every > 0, "draft.cotrain_every", "must be positive")
         _check(self.cotrain_iters > 0, "draft.cotrain_iters", "must be positive")
         _check(self.cotrain_lr > 0, "draft.cotrain_lr", "must be positive")
+        _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
         _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
         _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
         _check(self.kind in ("eagle3", "lm"), "draft.kind", f"must be eagle3 or lm, got {self.kind!r}")

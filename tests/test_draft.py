@@ -11,7 +11,7 @@ import torch
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.offline import train_draft_offline
-from cospec.draft.ttt import TTTBatch, entry_features, ttt_loss, ttt_unroll
+from cospec.draft.ttt import TTTBatch, entry_features, first_sequences, ttt_loss, ttt_unroll
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.llama import Transformer
@@ -126,3 +126,13 @@ def test_offline_training_raises_the_drafts_acceptance(tmp_path):
     draft, metrics = train_draft_offline(cfg, policy.eval(), progress=False)
     assert metrics["loss_history"][-1] < metrics["loss_history"][0]
     assert metrics["num_tokens"] > 0
+
+
+def test_first_sequences_keeps_whole_sequences_within_the_token_budget(policy):
+    draft = Eagle3Draft.from_policy(policy)
+    batch = packed_batch(policy, draft, [9, 5, 12])
+    cut = first_sequences(batch, 15)
+    assert cut.cu_seqlens.tolist() == [0, 9, 14] and cut.tokens.numel() == 14
+    assert torch.equal(cut.taps[draft.tap_layers[0]], batch.taps[draft.tap_layers[0]][:14])
+    assert first_sequences(batch, 4).cu_seqlens.tolist() == [0, 9]  # at least one sequence
+    assert first_sequences(batch, 0) is batch and first_sequences(batch, 26) is batch

@@ -47,6 +47,18 @@ class TTTBatch:
     policy_logits: Tensor
 
 
+def first_sequences(batch: TTTBatch, max_tokens: int) -> TTTBatch:
+    """The leading whole sequences of `batch` with at most max_tokens tokens (at least one)."""
+    cu = batch.cu_seqlens
+    if max_tokens <= 0 or int(cu[-1]) <= max_tokens:
+        return batch
+    n = max(1, int((cu[1:] <= max_tokens).sum()))
+    end = int(cu[n])
+    return TTTBatch(tokens=batch.tokens[:end], cu_seqlens=cu[:n + 1], loss_mask=batch.loss_mask[:end],
+                    taps={k: v[:end] for k, v in batch.taps.items()},
+                    policy_logits=batch.policy_logits[:end])
+
+
 def entry_features(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
     """[T, C]: projected policy feature of position t - 1 for entry t; zeros at sequence starts."""
     feat = draft.project({k: v[None] for k, v in taps.items()})[0]  # [T, C]

@@ -30,7 +30,7 @@ import torch
 
 from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.draft.offline import train_draft_offline
-from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.draft.ttt import TTTBatch, first_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -213,8 +213,11 @@ class GRPOTrainer:
             return {}
         self.draft.train()
         metrics: dict = {}
+        # Spread the token budget over the step's minibatches.
+        per_batch = d.cotrain_max_tokens // len(self._draft_data) if d.cotrain_max_tokens else 0
+        data = [first_sequences(b, per_batch) if d.cotrain_max_tokens else b for b in self._draft_data]
         for _ in range(d.cotrain_iters):
-            for batch in self._draft_data:
+            for batch in data:
                 loss, metrics = ttt_loss(self.draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
                                          temperature=self.cfg.sampling.temperature,
                                          tv_weight=d.tv_weight)
