@@ -11,7 +11,7 @@ import torch
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.offline import train_draft_offline
-from cospec.draft.ttt import TTTBatch, entry_features, first_sequences, ttt_loss, ttt_unroll
+from cospec.draft.ttt import TTTBatch, entry_features, first_sequences, ttt_loss, ttt_steps, ttt_unroll
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.llama import Transformer
@@ -62,7 +62,8 @@ def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy):
     lengths, steps = [9, 5, 12], 4
     batch = packed_batch(policy, draft, lengths)
     feat = entry_features(draft, batch.taps, batch.cu_seqlens)
-    logits, valid = ttt_unroll(draft, batch.tokens, feat, batch.cu_seqlens, steps)
+    inputs = ttt_steps(draft, batch, steps)
+    logits, valid = ttt_unroll(draft, inputs, batch.cu_seqlens), inputs.inside_JT
     drafter = make_drafter(draft)
     for seq, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
         for anchor in range(start, end):

@@ -21,21 +21,26 @@ def _scale(temperature: float) -> float:
     return 1.0 if temperature == 0 else temperature
 
 
+def _acc(x: Tensor) -> Tensor:
+    """fp32 (fp64 kept for fp64 input): low-precision logits are upcast before the softmax."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def soft_cross_entropy(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
                        temperature: float = 1.0) -> Tensor:
-    """Per-token H(p, q) [N] (fp32); the policy side is detached."""
+    """Per-token H(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached."""
     t = _scale(temperature)
-    p = (policy_logits_NV.detach().float() / t).softmax(-1)
-    log_q = (draft_logits_NV.float() / t).log_softmax(-1)
+    p = (_acc(policy_logits_NV.detach()) / t).softmax(-1)
+    log_q = (_acc(draft_logits_NV) / t).log_softmax(-1)
     return -(p * log_q).sum(-1)
 
 
 def total_variation(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
                     temperature: float = 1.0) -> Tensor:
-    """Per-token TV(p, q) [N] (fp32); the policy side is detached."""
+    """Per-token TV(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached."""
     t = _scale(temperature)
-    p = (policy_logits_NV.detach().float() / t).softmax(-1)
-    q = (draft_logits_NV.float() / t).softmax(-1)
+    p = (_acc(policy_logits_NV.detach()) / t).softmax(-1)
+    q = (_acc(draft_logits_NV) / t).softmax(-1)
     return 0.5 * (p - q).abs().sum(-1)
 
 

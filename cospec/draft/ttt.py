@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
+from cospec.draft.losses import soft_cross_entropy, total_variation
 from cospec.models.branch_attention import trunk_branch_attention
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import packed_positions, rope_cos_sin
@@ -59,46 +59,82 @@ def first_sequences(batch: TTTBatch, max_tokens: int) -> TTTBatch:
                     policy_logits=batch.policy_logits[:end])
 
 
-def entry_features(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
-    """[T, C]: projected policy feature of position t - 1 for entry t; zeros at sequence starts."""
-    feat = draft.project({k: v[None] for k, v in taps.items()})[0]  # [T, C]
-    shifted = torch.cat([torch.zeros_like(feat[:1]), feat[:-1]], dim=0)
-    starts = torch.zeros(feat.shape[0], dtype=torch.bool, device=feat.device)
+def shifted_taps(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
+    """[T, K*C]: the concatenated policy taps of position t - 1 for entry t, zeros at sequence
+    starts (the draft's fc has no bias, so projecting this equals shifting the projection)."""
+    missing = [t for t in draft.tap_layers if t not in taps]
+    if missing:
+        raise ValueError(f"policy features of layers {missing} were not tapped")
+    raw = torch.cat([taps[t] for t in draft.tap_layers], dim=-1)
+    shifted = torch.cat([torch.zeros_like(raw[:1]), raw[:-1]], dim=0)
+    starts = torch.zeros(raw.shape[0], dtype=torch.bool, device=raw.device)
     starts[cu_seqlens[:-1]] = True
     return shifted.masked_fill(starts[:, None], 0.0)
 
 
-def ttt_unroll(draft: Eagle3Draft, tokens_T: Tensor, feat_TC: Tensor, cu_seqlens: Tensor,
-               num_steps: int) -> tuple[list[Tensor], list[Tensor]]:
-    """Draft logits of every step [T, V] and where each step is inside its sequence (bool [T])."""
-    T = tokens_T.shape[0]
-    device = tokens_T.device
-    idx = torch.arange(T, device=device)
-    seq_end = cu_seqlens[1:][torch.bucketize(idx, cu_seqlens[1:], right=True)]  # exclusive
-    positions = packed_positions(cu_seqlens, T)
+def entry_features(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
+    """[T, C]: projected policy feature of position t - 1 for entry t; zeros at sequence starts."""
+    return draft.fc(shifted_taps(draft, taps, cu_seqlens))
+
+
+@dataclass
+class TTTSteps:
+    """The unroll's inputs laid out by anchor position t, computed on the whole packed row, so
+    that context parallelism can shard every field along T with the zigzag plan (step j reads the
+    token at t + j, which may live on another rank: shifting before sharding needs no exchange).
+
+    feat_raw_TF: `shifted_taps` [T, K*C]; tokens_JT: the token step j reads at anchor t (PAD past
+    the sequence end); inside_JT: t + j is inside t's sequence; targets_JTV: policy logits at
+    t + j; mask_JT: step j at t is trained (inside, and its target a response token);
+    positions_T: t's position in its sequence.
+    """
+
+    feat_raw_TF: Tensor
+    tokens_JT: Tensor
+    inside_JT: Tensor
+    targets_JTV: Tensor
+    mask_JT: Tensor
+    positions_T: Tensor
+
+
+def ttt_steps(draft: Eagle3Draft, batch: TTTBatch, num_steps: int) -> TTTSteps:
+    T = batch.tokens.shape[0]
+    cu = batch.cu_seqlens
+    idx = torch.arange(T, device=batch.tokens.device)
+    seq_end = cu[1:][torch.bucketize(idx, cu[1:], right=True)]  # exclusive
+    shift_JT = idx[None] + torch.arange(num_steps, device=idx.device)[:, None]
+    inside = shift_JT < seq_end[None]
+    at = shift_JT.clamp(max=T - 1)
+    return TTTSteps(feat_raw_TF=shifted_taps(draft, batch.taps, cu),
+                    tokens_JT=torch.where(inside, batch.tokens[at], PAD), inside_JT=inside,
+                    targets_JTV=batch.policy_logits[at], mask_JT=inside & (batch.loss_mask[at] > 0),
+                    positions_T=packed_positions(cu, T))
+
+
+def ttt_unroll(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor,
+               attention=trunk_branch_attention) -> list[Tensor]:
+    """Draft logits [T, V] of every TTT step. ``attention`` has `trunk_branch_attention`'s
+    signature (context parallel passes the ring version bound to its group)."""
     layer, cfg = draft.layers["0"], draft.config
-    hidden = feat_TC
+    hidden = draft.fc(steps.feat_raw_TF)
     trunk_k = trunk_v = None
-    branch_k, branch_v, logits, valid = [], [], [], []
-    for j in range(num_steps):  # 0-based: step j + 1 of the paper
-        inside = idx + j < seq_end
-        tok = torch.where(inside, tokens_T[(idx + j).clamp(max=T - 1)], PAD)
-        emb = draft.embed_tokens(tok)[None]
-        cos, sin = rope_cos_sin((positions + j)[None], cfg.head_dim, cfg.rope_theta)
+    branch_k, branch_v, logits = [], [], []
+    for j in range(steps.tokens_JT.shape[0]):  # 0-based: step j + 1 of the paper
+        emb = draft.embed_tokens(steps.tokens_JT[j])[None]
+        cos, sin = rope_cos_sin((steps.positions_T + j)[None], cfg.head_dim, cfg.rope_theta)
         q, k, v = layer.qkv(emb, hidden[None], cos.to(emb.dtype), sin.to(emb.dtype))
         if j == 0:
             trunk_k, trunk_v = k[0], v[0]
-            out, _ = trunk_branch_attention(q[0], trunk_k, trunk_v, cu_seqlens)
+            out, _ = attention(q[0], trunk_k, trunk_v, cu_seqlens)
         else:
             branch_k.append(k[0])
             branch_v.append(v[0])
-            out, _ = trunk_branch_attention(q[0], trunk_k, trunk_v, cu_seqlens,
-                                            torch.stack(branch_k), torch.stack(branch_v))
+            out, _ = attention(q[0], trunk_k, trunk_v, cu_seqlens, torch.stack(branch_k),
+                               torch.stack(branch_v))
         h = layer.finish(hidden[None], out[None].to(emb.dtype))[0]
         logits.append(draft.lm_head(draft.norm(h)))
-        valid.append(inside)
         hidden = h
-    return logits, valid
+    return logits
 
 
 def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, *, num_steps: int, decay: float = 0.8,
@@ -108,18 +144,24 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, *, num_steps: int, decay: floa
     Returns (loss, metrics) with per-step ``ce``, ``tv`` and ``acceptance`` (= 1 - TV: the expected
     acceptance of step j's drafts under speculative sampling at this temperature, teacher-forced).
     """
-    T = batch.tokens.shape[0]
-    feat = entry_features(draft, batch.taps, batch.cu_seqlens)
-    logits, valid = ttt_unroll(draft, batch.tokens, feat, batch.cu_seqlens, num_steps)
-    idx = torch.arange(T, device=batch.tokens.device)
-    total = torch.zeros((), device=batch.tokens.device)
+    return ttt_loss_on_steps(draft, ttt_steps(draft, batch, num_steps), batch.cu_seqlens,
+                             decay=decay, temperature=temperature, tv_weight=tv_weight)
+
+
+def ttt_loss_on_steps(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor, *,
+                      decay: float = 0.8, temperature: float = 1.0, tv_weight: float = 0.0,
+                      attention=trunk_branch_attention, total_count=None) -> tuple[Tensor, dict]:
+    """`ttt_loss` on (possibly sharded) steps. ``total_count(count) -> count``: under context
+    parallelism, the all-reduced number of trained tokens of a step, so that each rank's loss is its
+    share of the global masked mean (the ranks' losses and gradients then sum to the cp=1 ones)."""
+    logits = ttt_unroll(draft, steps, cu_seqlens, attention)
+    total = torch.zeros((), device=steps.tokens_JT.device)
     metrics = {"ce": [], "tv": [], "acceptance": []}
-    for j, (lg, ok) in enumerate(zip(logits, valid)):
-        target_idx = (idx + j).clamp(max=T - 1)
-        mask = ok & (batch.loss_mask[target_idx] > 0)
-        target = batch.policy_logits[target_idx]
-        ce = masked_mean(soft_cross_entropy(lg, target, temperature), mask)
-        tv = masked_mean(total_variation(lg, target, temperature), mask)
+    for j, lg in enumerate(logits):
+        mask = steps.mask_JT[j].float()
+        count = mask.sum() if total_count is None else total_count(mask.sum())
+        ce = (soft_cross_entropy(lg, steps.targets_JTV[j], temperature) * mask).sum() / count.clamp(min=1)
+        tv = (total_variation(lg, steps.targets_JTV[j], temperature) * mask).sum() / count.clamp(min=1)
         total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())
