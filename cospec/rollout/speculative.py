@@ -13,7 +13,8 @@ Per step, for the N active rows (a ragged batch: rows have their own lengths):
 3. accept: `verify_drafts` (Leviathan et al. / Chen et al.) per row: k accepted, one more token drawn;
    the policy cache rolls back per row to keep s_n, x_1..x_k.
 4. record: the k+1 tokens with their policy logprobs are appended; finished rows free their slot and
-   queued prompts refill it (prefill, as the plain engine does).
+   queued prompts refill it (prefill, as the plain engine does, then a draft prefill of the new
+   rows' prompt entries in a call of their own, so that no step's catch-up is as wide as a prompt).
 With G = 0 (the adaptive controller's choice, `cospec.rollout.adaptive`) a step is plain decoding:
 one policy forward of 1 token per row, no draft call; the draft catches up when drafting resumes.
 
@@ -160,7 +161,7 @@ class SpeculativeEngine(GenerationEngine):
         self.slots: list[Completion | None] = [None] * self.batch_size
         self.n = [0] * self.batch_size
         self.e = [0] * self.batch_size
-        self.row_counts: dict[int, list[int]] = {}  # prompt index -> [steps, tokens]
+        self.row_counts: dict[int, list[int]] = {}  # prompt index -> see _refill
         done: list[Completion | None] = [None] * len(prompts)
         num_forwards = 0
         while queue or any(s is not None for s in self.slots):
