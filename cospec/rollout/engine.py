@@ -152,10 +152,12 @@ class GenerationEngine:
         max_new_tokens and the capacity, as a benchmark wants).
     The engine's batch_size is the cache's; ``SamplingConfig.batch_size`` is for whoever builds
     the engine and is not read here.
+    spare_slots: cache slots beyond the capacity, for forwards that write tokens a step may roll
+        back (speculative verification); sequences never grow past ``capacity``.
     """
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int | None = None,
-                 eos_id: int | None = EOS):
+                 eos_id: int | None = EOS, spare_slots: int = 0):
         model_len = model.config.max_seq_len
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -164,11 +166,13 @@ class GenerationEngine:
         self.model = model
         self.batch_size = batch_size
         self.eos_id = eos_id
-        self.cache = KVCache.for_model(model, batch_size, max_seq_len or model_len)
+        self.max_seq_len = max_seq_len or model_len
+        self.cache = KVCache.for_model(model, batch_size, self.max_seq_len + spare_slots)
 
     @property
     def capacity(self) -> int:
-        return self.cache.capacity
+        """Longest sequence (prompt + response) a row may reach."""
+        return self.max_seq_len
 
     def check_prompts(self, prompts: list[list[int]]) -> None:
         """ValueError for an empty prompt, a token outside the vocabulary, or a prompt that leaves

@@ -44,7 +44,6 @@ from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
                                    append_until_finished, prefill_slots, score_tokens)
-from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import probs_from_logits, sample, sample_tokens, sampling_logprobs_NV
 from cospec.rollout.verify import overshoot_sums, verify_drafts
 
@@ -109,31 +108,26 @@ class SpeculativeEngine(GenerationEngine):
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
                  max_seq_len: int | None = None, eos_id: int | None = EOS,
                  controller: AdaptiveGamma | None = None, probe_every: int = 16):
-        super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, eos_id=eos_id)
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
+        # Spare slots: room for the G+1 tokens a verify writes past the committed length.
+        super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, eos_id=eos_id,
+                         spare_slots=gamma)
         self.drafter = make_drafter(draft, model.config)
         self.gamma = gamma
-        self.logical_capacity = self.cache.capacity
-        # Room for the G+1 tokens a verify writes past the committed length (rolled back after).
-        self.cache = KVCache.for_model(model, batch_size, self.logical_capacity + gamma)
-        self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.logical_capacity + gamma))
+        self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.capacity + gamma))
         self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
                                          if adaptive else None)
         if self.controller is not None and self.controller.gamma_max != gamma:
             raise ValueError(f"controller.gamma_max={self.controller.gamma_max} != gamma={gamma}")
         device = self.cache.lengths_B.device
-        history = self.logical_capacity + gamma + 1
+        history = self.capacity + gamma + 1
         self.seq_BS = torch.zeros(batch_size, history, dtype=torch.long, device=device)
         F = self.drafter.feature_size
         p = next(model.parameters())
         self.feat_BSF = (torch.zeros(batch_size, history, F, dtype=p.dtype, device=device)
                          if F else None)
         self._calibrated = False
-
-    @property
-    def capacity(self) -> int:
-        return self.logical_capacity
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
                  generator: torch.Generator | None = None, progress: bool = False) -> SpeculativeResult:
