@@ -202,30 +202,65 @@ def _listify(v):
 
 
 def cmd_train(args) -> int:
-    """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts."""
-    import shutil
-
-    from cospec.draft.offline import load_or_train_draft
-    from cospec.rl.checkpoint import latest_checkpoint
-    from cospec.rl.trainer import GRPOTrainer, check_rl_config
+    """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts; under
+    torchrun with parallel.cp or parallel.pp > 1, distributed (cospec.parallel.train_group)."""
+    from cospec.parallel.train_group import join_train_group
+    from cospec.rl.trainer import check_rl_config
 
     cfg = _resolve(args)
     check_rl_config(cfg)
+    # None on one process. The timeout also bounds the wait of ranks 1.. while rank 0 makes a
+    # missing SFT checkpoint or draft (minutes on this CPU).
+    group = join_train_group(cfg.parallel, timeout_s=900)
+    try:
+        return _train(cfg, args, group)
+    finally:
+        if group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _train(cfg, args, group) -> int:
+    import shutil
+
+    import torch.distributed as dist
+
+    from cospec.draft.offline import load_or_train_draft
+    from cospec.rl.checkpoint import latest_checkpoint
+    from cospec.rl.trainer import GRPOTrainer
+
     device = pick_device(cfg.device)
+    lead = group is None or group.is_rollout_rank
     rl_dir = Path(cfg.out_dir) / "rl"
     last = latest_checkpoint(rl_dir / "checkpoints")
     if last is not None and not args.resume:
         if not args.fresh:
             raise ConfigError(f"out_dir: {rl_dir} holds checkpoints; pass --resume to continue "
                               f"that run or --fresh to discard it")
-        shutil.rmtree(rl_dir)
+        if lead:
+            shutil.rmtree(rl_dir)
     if last is not None and args.resume:
         check_resumable(cfg, json.loads((last / "config.json").read_text()))
-    torch.manual_seed(cfg.grpo.seed)
-    policy, _ = load_or_train_sft(cfg, device)
-    draft = load_or_train_draft(cfg, policy)[0] if cfg.rollout.speculative else None
-    trainer = GRPOTrainer(cfg, policy, draft=draft)
-    history = trainer.run(resume=args.resume)
+
+    def load_models():
+        torch.manual_seed(cfg.grpo.seed)
+        policy, _ = load_or_train_sft(cfg, device)
+        draft = load_or_train_draft(cfg, policy)[0] if cfg.rollout.speculative else None
+        return policy, draft
+
+    if group is None:
+        policy, draft = load_models()
+    else:  # rank 0 trains/saves the SFT policy and the draft if needed; the others then load them
+        if lead:
+            policy, draft = load_models()
+        dist.barrier()
+        if not lead:
+            policy, draft = load_models()
+    trainer = GRPOTrainer(cfg, policy, draft=draft, group=group)
+    history = trainer.run(resume=args.resume, progress=lead)
+    if not lead:
+        return 0
     from cospec.metrics.run_log import read_jsonl
 
     rows = read_jsonl(rl_dir / "metrics.jsonl")

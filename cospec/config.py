@@ -289,12 +289,21 @@ class GRPOConfig:
 class ParallelConfig:
     #: context-parallel ranks: each packed sequence is zigzag-sharded over them (ring attention)
     cp: int = 1
-    #: pipeline-parallel stages
+    #: pipeline-parallel stages (the draft trains on the last one, fed by TapChannel)
     pp: int = 1
+    #: pipeline microbatches per GRPO minibatch (whole sequences each)
+    microbatches: int = 4
+    #: pipeline schedule: 1f1b or gpipe
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
         _check(self.cp >= 1, "parallel.cp", f"must be >= 1, got {self.cp}")
         _check(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
+        _check(self.cp == 1 or self.pp == 1, "parallel",
+               f"cp={self.cp} with pp={self.pp}: the pp x cp mesh is not built; use one of them")
+        _check(self.microbatches >= 1, "parallel.microbatches", f"must be >= 1, got {self.microbatches}")
+        _check(self.schedule in ("1f1b", "gpipe"), "parallel.schedule",
+               f"must be 1f1b or gpipe, got {self.schedule!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,6 +328,18 @@ class RunConfig:
                f"{self.draft.mode} needs speculative rollouts (rollout.speculative=true)")
         _check(self.draft.mode != "cotrain" or self.draft.kind == "eagle3", "draft.mode",
                "cotrain trains an eagle3 draft on the policy's features (draft.kind=eagle3)")
+        p = self.parallel
+        if p.pp > 1:
+            _check(p.pp <= self.model.num_layers, "parallel.pp",
+                   f"{p.pp} stages for {self.model.num_layers} layers: every stage needs a layer")
+            _check(not self.model.tie_embeddings, "parallel.pp",
+                   "a tied embedding cannot be split across stages (model.tie_embeddings=false)")
+            per_minibatch = self.grpo.prompts_per_step * self.grpo.group_size // self.grpo.micro_steps
+            _check(p.microbatches <= per_minibatch, "parallel.microbatches",
+                   f"{p.microbatches} microbatches of whole rollouts, a minibatch has only "
+                   f"{per_minibatch} (prompts_per_step * group_size / micro_steps)")
+        _check(p.cp * p.pp == 1 or self.draft.mode != "oracle", "draft.mode",
+               "oracle (a measurement) runs on one process only; use parallel.cp=1 parallel.pp=1")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -1,5 +1,7 @@
 """The `cospec` command: config errors exit 2 naming the field; sft and demo run end to end."""
 
+import pytest
+
 from cospec.cli import main
 
 
@@ -57,3 +59,33 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
     assert "tau_first" in result["summary"]["frozen"] and "tau_first" not in result["summary"]["none"]
     for png in ("tau_vs_step.png", "reward_vs_step.png", "step_time_split.png"):
         assert (out / "stale-draft" / png).stat().st_size > 0
+
+
+def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert main(["train", *TINY, f"out_dir={tmp_path}", "parallel.cp=2"]) == 2
+    assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
+    assert main(["train", *TINY, f"out_dir={tmp_path}", "parallel.cp=2", "parallel.pp=2"]) == 2
+    assert "pp x cp mesh is not built" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["parallel.cp=2", "parallel.pp=2"])
+def test_torchrun_runs_distributed_grpo_from_the_command_line(tmp_path, layout):
+    """The real entry point: torchrun starts 2 ranks of `python -m cospec train`; rank 0 makes the
+    SFT policy and the draft, all ranks train, rank 0 logs and checkpoints."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    torchrun = Path(sys.executable).parent / "torchrun"
+    out = tmp_path / "run"
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "cospec", "train",
+           *TINY, f"out_dir={out}", "rollout.speculative=true", "draft.mode=cotrain",
+           "rollout.adaptive=false", "grpo.steps=2", "grpo.eval_every=0", layout]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2] and all("accept_length" in r for r in rows)
+    assert (out / "rl" / "checkpoints" / "latest").exists()

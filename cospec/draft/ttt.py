@@ -47,6 +47,22 @@ class TTTBatch:
     policy_logits: Tensor
 
 
+def cat_batches(batches: list[TTTBatch]) -> TTTBatch:
+    """One packed row of the batches' sequences, in order (pipeline microbatches back into the
+    minibatch they were cut from)."""
+    if len(batches) == 1:
+        return batches[0]
+    offsets = [0]
+    for b in batches:
+        offsets.append(offsets[-1] + len(b.tokens))
+    cu = torch.cat([batches[0].cu_seqlens[:1]] +
+                   [b.cu_seqlens[1:] + off for b, off in zip(batches, offsets)])
+    return TTTBatch(tokens=torch.cat([b.tokens for b in batches]), cu_seqlens=cu,
+                    loss_mask=torch.cat([b.loss_mask for b in batches]),
+                    taps={k: torch.cat([b.taps[k] for b in batches]) for k in batches[0].taps},
+                    policy_logits=torch.cat([b.policy_logits for b in batches]))
+
+
 def first_sequences(batch: TTTBatch, max_tokens: int) -> TTTBatch:
     """The leading whole sequences of `batch` with at most max_tokens tokens (at least one)."""
     cu = batch.cu_seqlens

@@ -188,7 +188,8 @@ class TapChannel:
         assert self.is_draft, "only the draft (last) stage receives taps"
         start = time.perf_counter()
         feats = {}
-        for layer in self.owner if layers is None else layers:
+        # A draft may read one layer more than once (tap_layers (1, 1, 1) on a 2-layer policy).
+        for layer in self.owner if layers is None else dict.fromkeys(layers):
             if layer not in self.owner:
                 raise ValueError(f"layer {layer} is not one of the channel's tap_layers {list(self.owner)}")
             if self.owner[layer] == self.stage:

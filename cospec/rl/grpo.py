@@ -57,10 +57,14 @@ class PolicyLossOutput:
 
 def clipped_policy_loss(logp_T: Tensor, old_logp_T: Tensor, adv_T: Tensor, mask_T: Tensor, *,
                         clip_low: float, clip_high: float, kl_T: Tensor | None = None,
-                        kl_coef: float = 0.0) -> PolicyLossOutput:
-    """The loss above over the tokens where mask_T is 1; kl_T: per-token KL(pi || pi_ref)."""
+                        kl_coef: float = 0.0, num_tokens: float | None = None) -> PolicyLossOutput:
+    """The loss above over the tokens where mask_T is 1; kl_T: per-token KL(pi || pi_ref).
+
+    num_tokens: the divisor; default the masked count. A piece of a minibatch (a context-parallel
+    shard, a pipeline microbatch) passes the whole minibatch's count, so the pieces' losses add up.
+    """
     m = mask_T.float()
-    num_tokens = m.sum().clamp(min=1)
+    num_tokens = m.sum().clamp(min=1) if num_tokens is None else max(num_tokens, 1)
     ratio = (logp_T - old_logp_T).exp()
     surrogate = torch.minimum(ratio * adv_T, ratio.clamp(1 - clip_low, 1 + clip_high) * adv_T)
     loss = -(surrogate * m).sum() / num_tokens

@@ -34,12 +34,12 @@ from cospec.draft.ttt import TTTBatch, first_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
 from cospec.rl.tasks import Example, TaskSuite
 from cospec.rl.tokenizer import CharTokenizer, check_vocab
 from cospec.rl.weight_sync import InProcessWeightSync
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
-from cospec.sft import pack_examples
 
 
 @dataclass
@@ -68,33 +68,82 @@ def check_rl_config(cfg: RunConfig) -> None:
 
 
 class GRPOTrainer:
-    def __init__(self, cfg: RunConfig, policy, *, draft=None, out_dir=None, tensorboard: bool = True):
+    """GRPO on one process, or on every rank of a `TrainGroup` (``group``; see
+    `cospec.parallel.train_group` for who does what). Every rank constructs it with the full
+    policy and draft; under pp each keeps its stage."""
+
+    def __init__(self, cfg: RunConfig, policy, *, draft=None, out_dir=None, tensorboard: bool = True,
+                 group=None):
         check_rl_config(cfg)
         check_vocab(cfg.model.vocab_size, CharTokenizer())
-        self.cfg, self.g = cfg, cfg.grpo
+        self.cfg, self.g, self.group = cfg, cfg.grpo, group
         self.out_dir = out_dir or f"{cfg.out_dir}/rl"
         self.device = next(policy.parameters()).device
-        self.policy = policy.train()
-        self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
-        self.rollout_policy = copy.deepcopy(policy).eval().requires_grad_(False)
-        self.weight_sync = InProcessWeightSync(self.rollout_policy)
-        # The trainer's draft (updated by co-training) and the engine's own copy of it, synced
-        # like the policy; frozen and oracle drafts go through the same path.
-        self.draft = draft
-        self.rollout_draft = copy.deepcopy(draft).eval() if draft is not None else None
-        self.draft_sync = InProcessWeightSync(self.rollout_draft) if draft is not None else None
+        self.is_rollout_rank = group is None or group.is_rollout_rank
+        self.owns_draft = group is None or group.owns_draft
+        # The engine runs on its own copy of the policy (and of the draft), synced after updates
+        # through the WeightSync seam; frozen and oracle drafts go through the same path.
+        self.rollout_policy = (copy.deepcopy(policy).eval().requires_grad_(False)
+                               if self.is_rollout_rank else None)
+        self.rollout_draft = (copy.deepcopy(draft).eval()
+                              if draft is not None and self.is_rollout_rank else None)
+        self.draft = draft  # the trainer's draft, updated by co-training (on its owner rank)
         self.draft_optimizer = None
-        if draft is not None and cfg.draft.mode == "cotrain":
+        if draft is not None and cfg.draft.mode == "cotrain" and self.owns_draft:
             self.draft_optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.draft.cotrain_lr,
                                                      betas=(0.9, 0.95), weight_decay=0.0)
+        self.draft_loss, self.reduce_draft_grads = ttt_loss, None
         self._draft_data: list[TTTBatch] = []
+        self._build_policy_step(policy)
         self.suite, self.tok = TaskSuite(cfg.task), CharTokenizer()
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
-        self.engine = self._make_engine()
-        self.optimizer = torch.optim.AdamW(policy.parameters(), lr=self.g.lr, betas=(0.9, 0.99),
-                                           weight_decay=self.g.weight_decay)
+        self.engine = self._make_engine() if self.is_rollout_rank else None
         self.step = 0
         self.tensorboard = tensorboard
+
+    def _build_policy_step(self, policy) -> None:
+        """self.policy (this rank's trained module), self.reference, self.optimizer, the policy
+        step for the layout, and the weight syncs to the engine."""
+        cfg, g, group = self.cfg, self.g, self.group
+        kwargs = dict(temperature=cfg.sampling.temperature, clip_low=g.clip_low,
+                      clip_high=g.clip_high, kl_coef=g.kl_coef, grad_clip=g.grad_clip)
+        pp = group.pp if group is not None else 1
+        if pp > 1:
+            from cospec.parallel.pipeline import build_stage, split_layers
+            from cospec.parallel.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
+
+            layers = split_layers(cfg.model.num_layers, pp)
+            stage = dict(layers=layers[group.rank], stage=group.rank, num_stages=pp)
+            self.policy = build_stage(policy, **stage).train()
+            self.reference = build_stage(policy, **stage).eval().requires_grad_(False)
+        else:
+            self.policy = policy.train()
+            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, betas=(0.9, 0.99),
+                                           weight_decay=g.weight_decay)
+        if group is None:
+            self.policy_step = LocalPolicyStep(self.policy, self.reference, self.optimizer, **kwargs)
+        elif pp > 1:
+            taps = self.draft.tap_layers if self.draft is not None and cfg.draft.mode == "cotrain" else ()
+            self.policy_step = PipelinedPolicyStep(
+                self.policy, self.reference, self.optimizer, stage=group.rank, stage_layers=layers,
+                pipe_group=group.pipe_group, tap_group=group.tap_group,
+                num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
+                tap_layers=taps, **kwargs)
+            self.weight_sync = StageWeightSync(group.pipe_group, self.rollout_policy)
+            self.draft_sync = (DraftWeightSync(self.rollout_draft, src=group.draft_rank)
+                               if self.draft is not None else None)
+            return
+        else:
+            from cospec.parallel.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
+
+            self.policy_step = ContextParallelPolicyStep(self.policy, self.reference, self.optimizer,
+                                                         group=None, **kwargs)
+            cp_loss = ContextParallelDraftLoss(group=None)
+            self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
+        self.weight_sync = InProcessWeightSync(self.rollout_policy) if self.is_rollout_rank else None
+        self.draft_sync = (InProcessWeightSync(self.rollout_draft)
+                           if self.rollout_draft is not None else None)
 
     def _make_engine(self):
         r, batch = self.cfg.rollout, self.cfg.sampling.batch_size
@@ -136,75 +185,34 @@ class GRPOTrainer:
 
     def train_policy(self, batch: RolloutBatch) -> dict:
         """micro_steps optimizer steps over minibatches of the rollouts (old logprobs: the
-        rollout's). Returns the loss, clip, KL, entropy and train/inference mismatch metrics."""
+        rollout's), each through the policy step of the run's layout. Returns the loss, clip, KL,
+        entropy and grad-norm means over minibatches, and the train/inference mismatch of the first
+        (before any update of this step: trainer vs rollout engine, same weights)."""
         order = list(range(len(batch.completions)))
         chunks = [order[i::self.g.micro_steps] for i in range(self.g.micro_steps)]
+        tap_layers = self.draft.tap_layers if self._cotrain_now() else ()
         logs = []
-        for k, idx in enumerate(chunks):
-            logs.append(self._train_minibatch(batch, idx, measure_mismatch=k == 0))
-        out = {key: sum(l[key] for l in logs) / len(logs) for key in logs[0] if key != "mismatch"}
-        out.update(logs[0]["mismatch"])
+        for idx in chunks:
+            mb = PolicyMinibatch.from_rollouts(batch.completions, batch.advantages, idx)
+            sums, grad_norm, captured = self.policy_step(mb, tap_layers)
+            self._draft_data += captured
+            logs.append(metrics_from_sums(sums, grad_norm))
+        mismatch = [k for k in logs[0] if k.startswith("mismatch")]
+        out = {k: sum(l[k] for l in logs) / len(logs) for k in logs[0] if k not in mismatch}
+        out.update({k: logs[0][k] for k in mismatch})
         return out
 
-    def _train_minibatch(self, batch: RolloutBatch, idx: list[int], measure_mismatch: bool) -> dict:
-        packed = pack_examples([(batch.completions[i].prompt + batch.completions[i].tokens,
-                                 [0] * len(batch.completions[i].prompt) + [1] * len(batch.completions[i].tokens))
-                                for i in idx])
-        tokens, cu = packed.tokens.to(self.device), packed.cu_seqlens.to(self.device)
-        targets, mask = packed.targets[0].to(self.device), packed.loss_mask[0].to(self.device)
-        # Per-token old logprobs and advantages, laid out like the packed targets.
-        old, adv = torch.zeros_like(mask), torch.zeros_like(mask)
-        for j, i in enumerate(idx):
-            c = batch.completions[i]
-            end = int(cu[j + 1])
-            n = len(c.tokens)
-            old[end - n:end] = torch.tensor(c.logprobs, device=self.device)
-            adv[end - n:end] = float(batch.advantages[i])
-        temperature = self.cfg.sampling.temperature
-        # Feature capture: the GRPO forward also yields the draft's training data, detached
-        # (taps are detached by the model; the logits here), so co-training costs no policy forward.
-        capture = self._cotrain_now()
-        out_policy = self.policy(tokens, cu_seqlens=cu,
-                                 tap_layers=self.draft.tap_layers if capture else ())
-        logits = out_policy.logits[0]
-        if capture:
-            self._draft_data.append(TTTBatch(tokens=tokens[0], cu_seqlens=cu, loss_mask=mask,
-                                             taps={k: v[0] for k, v in out_policy.taps.items()},
-                                             policy_logits=logits.detach()))
-        logp = grpo.token_logprobs(logits, targets, temperature)
-        with torch.no_grad():
-            ref_logits = self.reference(tokens, cu_seqlens=cu).logits[0]
-        # With a KL penalty the KL is part of the loss (gradient through logits); without, it is
-        # only logged.
-        kl_T = grpo.kl_to_reference(logits if self.g.kl_coef else logits.detach(), ref_logits,
-                                    temperature)
-        out = grpo.clipped_policy_loss(logp, old, adv, mask, clip_low=self.g.clip_low,
-                                       clip_high=self.g.clip_high, kl_T=kl_T, kl_coef=self.g.kl_coef)
-        kl_T = kl_T.detach()
-        self.optimizer.zero_grad(set_to_none=True)
-        out.loss.backward()
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.g.grad_clip)
-                     if self.g.grad_clip > 0 else torch.zeros(()))
-        self.optimizer.step()
-        m = mask > 0
-        diff = (logp.detach() - old)[m]
-        mismatch = {}
-        if measure_mismatch:  # before any update of this step: trainer vs rollout, same weights
-            mismatch = {"mismatch_mean_abs_logprob": diff.abs().mean().item(),
-                        "mismatch_token_mult_prob_error": diff.abs().exp().mean().item()}
-        return {"loss": out.loss.item(), "clip_fraction": out.clip_fraction,
-                "kl_from_init": kl_T[m].mean().item(),
-                "entropy": grpo.token_entropy(logits.detach(), temperature)[m].mean().item(),
-                "grad_norm": float(grad_norm), "mismatch": mismatch}
-
     def _cotrain_now(self) -> bool:
-        return (self.draft_optimizer is not None
+        # From the config, not from this rank's optimizer: under pp every stage must agree.
+        return (self.draft is not None and self.cfg.draft.mode == "cotrain"
                 and (self.step + 1) % self.cfg.draft.cotrain_every == 0)
 
     def train_draft(self) -> dict:
         """Co-training: the TTT loss on this step's captured features (``cotrain``); or, every
         oracle_every steps, an offline retrain on fresh samples of the current policy (``oracle``)."""
         d = self.cfg.draft
+        if not self.owns_draft:  # pp: the draft trains on the last stage
+            return {}
         if d.mode == "oracle" and (self.step + 1) % d.oracle_every == 0:
             _, m = train_draft_offline(self.cfg, self.policy.eval(), draft=self.draft, progress=False)
             self.policy.train()
@@ -218,16 +226,23 @@ class GRPOTrainer:
         data = [first_sequences(b, per_batch) if d.cotrain_max_tokens else b for b in self._draft_data]
         for _ in range(d.cotrain_iters):
             for batch in data:
-                loss, metrics = ttt_loss(self.draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                         temperature=self.cfg.sampling.temperature,
-                                         tv_weight=d.tv_weight)
+                loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
+                                                decay=d.ttt_decay,
+                                                temperature=self.cfg.sampling.temperature,
+                                                tv_weight=d.tv_weight)
                 self.draft_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
+                if self.reduce_draft_grads is not None:  # cp: the ranks' shares -> the whole gradient
+                    self.reduce_draft_grads(self.draft)
                 torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
                 self.draft_optimizer.step()
         self.draft.eval()
         self._draft_data = []
-        return {"draft_loss": loss.item(), "draft_acceptance_tf": metrics["acceptance"]}
+        # The loss from the per-step metrics, which are whole-batch ones also under cp (where
+        # each rank's ``loss`` is only its share).
+        whole = sum(d.ttt_decay ** j * ((1 - d.tv_weight) * ce + d.tv_weight * tv)
+                    for j, (ce, tv) in enumerate(zip(metrics["ce"], metrics["tv"])))
+        return {"draft_loss": whole, "draft_acceptance_tf": metrics["acceptance"]}
 
     def evaluate(self) -> dict:
         """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
@@ -250,7 +265,10 @@ class GRPOTrainer:
                 "eval_reward_by_family": {k: sum(v) / len(v) for k, v in sorted(fam.items())}}
 
     def sync_weights(self) -> None:
-        self.weight_sync.push(self.policy)
+        """The trained weights to the engine's copies (a collective under pp: the stages' weights
+        are gathered on the rollout rank; cp replicas are equal, rank 0 copies its own)."""
+        if self.weight_sync is not None:
+            self.weight_sync.push(self.policy)
         if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
             self.draft_sync.push(self.draft)
 
@@ -277,57 +295,94 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------- run, save, resume
 
-    def run_step(self) -> dict:
+    def run_step(self) -> dict | None:
+        """One GRPO step; its metrics on the rollout rank (None on the other ranks)."""
         t0 = time.perf_counter()
-        batch = self.generate()
+        batch = self.generate() if self.is_rollout_rank else None
         t1 = time.perf_counter()
-        self.score(batch)
-        self.compute_advantages(batch)
+        if batch is not None:
+            self.score(batch)
+            self.compute_advantages(batch)
+        if self.group is not None:  # the rollouts to every rank (what training needs of them)
+            shared = self.group.broadcast((batch.completions, batch.advantages) if batch else None)
+            if batch is None:
+                batch = RolloutBatch(examples=[], completions=shared[0], rewards=None,
+                                     advantages=shared[1], generate_seconds=0.0, num_tokens=0)
         t2 = time.perf_counter()
         train = self.train_policy(batch)
         t3 = time.perf_counter()
-        train.update(self.train_draft())
+        draft_metrics = self.train_draft()
+        if self.group is not None and self.group.draft_rank not in (None, 0):
+            draft_metrics = self.group.broadcast(draft_metrics, src=self.group.draft_rank)
+        train.update(draft_metrics)
         t4 = time.perf_counter()
         self.sync_weights()
         t5 = time.perf_counter()
         self.step += 1
+        if not self.is_rollout_rank:
+            return None
         return self.step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
                                                 "train_draft": t4 - t3,
                                                 "other": (t2 - t1) + (t5 - t4)})
 
-    def trainer_state(self) -> dict:
-        state = {"step": self.step, "optimizer": self.optimizer.state_dict(),
-                 "torch_rng": torch.get_rng_state(), "prompt_rng": self.prompt_rng.getstate()}
+    def rank_state(self) -> dict:
+        """This rank's optimizer states (under pp each stage has its own)."""
+        state = {"optimizer": self.optimizer.state_dict()}
         if self.draft_optimizer is not None:
             state["draft_optimizer"] = self.draft_optimizer.state_dict()
         return state
 
-    def save(self) -> None:
-        save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=self.policy,
-                        trainer_state=self.trainer_state(), config=self.cfg.to_dict(),
-                        draft=self.draft, keep=self.g.keep_checkpoints)
+    def trainer_state(self) -> dict:
+        """Single process: the optimizers inline; distributed: every rank's in ``rank_states``
+        (gathered by `save`, a collective then)."""
+        state = {"step": self.step, "torch_rng": torch.get_rng_state(),
+                 "prompt_rng": self.prompt_rng.getstate()}
+        if self.group is None:
+            return {**state, **self.rank_state()}
+        ranks = self.group.gather(self.rank_state())
+        return {**state, "rank_states": ranks} if self.is_rollout_rank else None
 
+    def save(self) -> None:
+        """Atomic checkpoint of the full policy and draft (the engine's synced copies when
+        distributed) and the trainer state; written by the rollout rank."""
+        state = self.trainer_state()
+        if self.is_rollout_rank:
+            policy = self.policy if self.group is None else self.rollout_policy
+            draft = self.draft if self.group is None or self.group.pp == 1 else self.rollout_draft
+            save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=policy,
+                            trainer_state=state, config=self.cfg.to_dict(), draft=draft,
+                            keep=self.g.keep_checkpoints)
+        if self.group is not None:  # no rank runs ahead of a checkpoint it might resume from
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    @torch.no_grad()
     def restore(self, ckpt: dict) -> None:
-        with torch.no_grad():
-            for name, t in self.policy.state_dict().items():
-                t.copy_(ckpt["policy"].state_dict()[name])
-        if self.draft is not None and ckpt["draft"] is not None:
-            with torch.no_grad():
-                for name, t in self.draft.state_dict().items():
-                    t.copy_(ckpt["draft"].state_dict()[name])
+        """Every rank restores its part: the policy (or its stage: the names are the policy's),
+        the draft, its own optimizer states; the rollout rank also the engine's copies."""
+        full = ckpt["policy"].state_dict()
+        targets = [self.policy] + ([self.rollout_policy] if self.rollout_policy is not None else [])
+        for model in targets:
+            for name, t in model.state_dict().items():
+                t.copy_(full[name])
+        if ckpt["draft"] is not None:
+            for model in (self.draft, self.rollout_draft):
+                if model is not None:
+                    for name, t in model.state_dict().items():
+                        t.copy_(ckpt["draft"].state_dict()[name])
         st = ckpt["trainer_state"]
-        self.optimizer.load_state_dict(st["optimizer"])
+        mine = st["rank_states"][self.group.rank] if "rank_states" in st else st
+        self.optimizer.load_state_dict(mine["optimizer"])
         if self.draft_optimizer is not None:
-            self.draft_optimizer.load_state_dict(st["draft_optimizer"])
+            self.draft_optimizer.load_state_dict(mine["draft_optimizer"])
         torch.set_rng_state(st["torch_rng"])
         self.prompt_rng.setstate(_as_tuple(st["prompt_rng"]))
         self.step = st["step"]
-        self.weight_sync.push(self.policy)
-        if self.draft_sync is not None:
-            self.draft_sync.push(self.draft)
 
     def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
-        """Train until grpo.steps; with `resume`, continue from the latest checkpoint."""
+        """Train until grpo.steps; with `resume`, continue from the latest checkpoint. Distributed:
+        every rank calls it; the rollout rank evaluates, logs and returns the history."""
         from cospec.metrics.progress import progress_bar
 
         resume_step = None
@@ -336,7 +391,14 @@ class GRPOTrainer:
             if path is not None:
                 self.restore(load_checkpoint(path, device=self.device))
                 resume_step = self.step
-                print(f"resumed from {path} (step {self.step})")
+                if self.is_rollout_rank:
+                    print(f"resumed from {path} (step {self.step})")
+        if not self.is_rollout_rank:
+            while self.step < self.g.steps:
+                self.run_step()
+                if self.step % self.g.checkpoint_every == 0 or self.step == self.g.steps:
+                    self.save()
+            return []
         log = RunLog(f"{self.out_dir}/metrics.jsonl",
                      f"{self.out_dir}/tb" if self.tensorboard else None, resume_step=resume_step)
         history = []

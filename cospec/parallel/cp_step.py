@@ -1,0 +1,111 @@
+"""The GRPO policy step and the draft's co-training step under context parallelism.
+
+# T packed tokens of a minibatch, L local tokens (this rank's zigzag shard), V vocab
+
+Every rank of the cp group holds a full replica of the policy, its reference and the draft, and the
+same minibatch (the trainer broadcasts the rollouts). Per minibatch, on each rank:
+1. zigzag-shard the packed row (`ZigzagLayout`; padding: PAD tokens with loss_mask 0);
+2. the policy's forward on the shard with `RingAttention` as its attention and the shard's own
+   RoPE positions, the reference's likewise;
+3. `minibatch_terms` with the *whole* minibatch's token count as divisor, so the ranks' losses sum
+   to the cp = 1 loss (and their gradients to its gradients);
+4. all-reduce (sum) the gradients and the summed statistics; every rank then clips the same
+   gradient and takes the same optimizer step, so the replicas stay equal.
+
+The draft's data: its TTT unroll at anchor t reads the features at t-1 and the token at t+j, which
+may sit on another rank. The detached taps and logits of the shard are all-gathered back into the
+unsharded row (`ZigzagLayout.gather`), laid out by anchor (`ttt_steps`) and re-sharded by
+`cospec.parallel.draft_cp`, whose ring trunk + branch attention never all-gathers K/V. The gather
+moves [T, 3C + V] floats per minibatch (once, not per layer); a halo exchange of ttt_steps tokens
+per chunk edge would avoid it and is not built.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cospec.draft.ttt import TTTBatch, ttt_steps
+from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
+from cospec.parallel.ring_attention import RingAttention
+from cospec.parallel.zigzag import ZigzagLayout
+from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
+from cospec.rl.tokenizer import PAD
+
+
+def shard_minibatch(mb: PolicyMinibatch, layout: ZigzagLayout, rank: int) -> PolicyMinibatch:
+    """This rank's tokens of ``mb`` (padding is PAD, never trained: loss_mask 0)."""
+    def part(x: Tensor, value=0) -> Tensor:
+        return layout.shard(x, rank, value=value)
+
+    return PolicyMinibatch(tokens=part(mb.tokens, PAD), targets=part(mb.targets, PAD),
+                           cu_seqlens=layout.local_cu_seqlens(), loss_mask=part(mb.loss_mask),
+                           old_logprobs=part(mb.old_logprobs), advantages=part(mb.advantages),
+                           num_tokens=mb.num_tokens, index=mb.index)
+
+
+class ContextParallelPolicyStep:
+    """`cospec.rl.policy_step.LocalPolicyStep` on zigzag shards (see the module docstring).
+    A collective over ``group``: every rank calls it with the same minibatch."""
+
+    def __init__(self, policy, reference, optimizer, *, group, temperature: float, clip_low: float,
+                 clip_high: float, kl_coef: float, grad_clip: float):
+        self.policy, self.reference, self.optimizer = policy, reference, optimizer
+        self.group = group
+        self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
+        self.attention = RingAttention(group)
+        self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
+                                kl_coef=kl_coef)
+        self.grad_clip = grad_clip
+
+    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+        device = next(self.policy.parameters()).device
+        mb = mb.to(device)
+        layout = ZigzagLayout.build(mb.cu_seqlens, self.cp)
+        local = shard_minibatch(mb, layout, self.rank)
+        positions = layout.local_positions(self.rank)[None]
+        kwargs = dict(cu_seqlens=local.cu_seqlens, positions_BT=positions, attn_fn=self.attention)
+        out = self.policy(local.tokens[None], tap_layers=tap_layers, **kwargs)
+        with torch.no_grad():
+            ref_logits = self.reference(local.tokens[None], **kwargs).logits[0]
+        loss, sums = minibatch_terms(out.logits[0], ref_logits, local, **self.loss_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        all_reduce_grads(self.policy, self.group)
+        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
+                     if self.grad_clip > 0 else torch.zeros(()))
+        self.optimizer.step()
+        dist.all_reduce(sums, group=self.group)
+        captured = []
+        if tap_layers:
+            gather = lambda x: layout.gather(x.detach(), self.group, dim=0)  # noqa: E731
+            captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens,
+                                     loss_mask=mb.loss_mask,
+                                     taps={k: gather(v[0]) for k, v in out.taps.items()},
+                                     policy_logits=gather(out.logits[0])))
+        return sums, float(grad_norm), captured
+
+
+class ContextParallelDraftLoss:
+    """The co-training loss of one `TTTBatch` (the same whole row on every rank), computed on
+    zigzag shards: ``(loss, metrics)`` like `cospec.draft.ttt.ttt_loss`, where loss is this rank's
+    share (the ranks' shares sum to the cp = 1 loss) and metrics are the all-reduced, whole-row ones.
+    Call `reduce_grads` after backward and before the optimizer step."""
+
+    def __init__(self, group):
+        self.group = group
+        self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
+
+    def __call__(self, draft, batch: TTTBatch, *, num_steps: int, **loss_kwargs) -> tuple[Tensor, dict]:
+        layout = ZigzagLayout.build(batch.cu_seqlens, self.cp)
+        steps = ttt_steps(draft, batch, num_steps)
+        loss, metrics = ttt_loss_cp(draft, steps, layout, rank=self.rank, group=self.group,
+                                    **loss_kwargs)
+        shares = torch.tensor([metrics["ce"], metrics["tv"]], dtype=torch.float64, device=loss.device)
+        dist.all_reduce(shares, group=self.group)
+        ce, tv = shares.tolist()
+        return loss, {"ce": ce, "tv": tv, "acceptance": [1 - x for x in tv]}
+
+    def reduce_grads(self, draft) -> None:
+        all_reduce_grads(draft, self.group)

@@ -1,0 +1,207 @@
+"""The GRPO policy step pipelined over stages, the draft fed by TapChannel on the last stage.
+
+# T packed tokens, C hidden size, V vocab, M microbatches, P pipeline stages
+
+One rank per stage; every rank holds the same minibatch (the trainer broadcasts the rollouts) and
+splits it the same way into M microbatches of whole sequences (`PolicyMinibatch.split`). Per
+minibatch, on each stage:
+1. Reference pass (forward only, no graph): the frozen reference's stages run the M microbatches
+   through the pipe in order; the last stage keeps the reference logits [T, V] of each, which the
+   loss needs for the KL (penalty or log). It is a pass of its own on the same pipeline group,
+   finished before the training schedule starts, so the schedule's operations are unchanged.
+2. The training schedule (`PipelineStep`, 1F1B or GPipe). The last stage's loss of microbatch m is
+   `minibatch_terms` with the whole minibatch's token count as divisor: the microbatches' losses sum
+   to the pp = 1 loss, and so do the gradients each stage accumulates.
+3. Gradient clipping across stages: the global norm is sqrt of the all-reduced sum of the stages'
+   squared norms (what `torch.nn.utils.clip_grad_norm_` computes on one process), then every stage
+   scales by the same min(1, max_norm / (norm + 1e-6)) and steps its own optimizer.
+4. The summed statistics are broadcast from the last stage, so rank 0 can log them.
+
+When the draft is co-trained the same schedule carries its features: `TapChannel` (its own group)
+delivers the tapped layers of microbatch m to the last stage, which keeps them with its detached
+logits of m; the microbatches' data are packed back into the minibatch's `TTTBatch`, and the
+trainer's co-training runs on it there, exactly as on one process.
+
+Weights reach the rollout engine on rank 0 through `StageWeightSync` (the stages' state dicts,
+gathered) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from cospec.draft.ttt import TTTBatch, cat_batches
+from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport
+from cospec.parallel.tap_channel import TapChannel
+from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms
+
+
+def clip_grad_norm_across_stages(params, max_norm: float, group) -> Tensor:
+    """Step 3: the global gradient norm of all stages' ``params``; clipped in place if max_norm > 0."""
+    grads = [p.grad for p in params if p.grad is not None]
+    device = grads[0].device if grads else torch.device("cpu")
+    sq = torch.zeros((), device=device, dtype=torch.float32)
+    for g in grads:
+        sq = sq + g.detach().float().pow(2).sum()
+    dist.all_reduce(sq, group=group)
+    total = sq.sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return total
+
+
+class PipelinedPolicyStep:
+    """`cospec.rl.policy_step.LocalPolicyStep` over pipeline stages (see the module docstring).
+
+    model, reference: this rank's stage of the policy and of the reference (`build_stage`);
+    stage_layers: every stage's layer range (`split_layers`); tap_layers: the draft's (the channel
+    is built for them; a call with no tap_layers runs without taps).
+    """
+
+    def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
+                 pipe_group, tap_group, num_microbatches: int, schedule: str, tap_layers=(),
+                 temperature: float, clip_low: float, clip_high: float,
+                 kl_coef: float, grad_clip: float):
+        self.model, self.reference, self.optimizer = model, reference, optimizer
+        self.stage, self.num_stages = stage, len(stage_layers)
+        self.first, self.last = stage == 0, stage == self.num_stages - 1
+        self.pipe_group, self.num_microbatches, self.schedule = pipe_group, num_microbatches, schedule
+        self.tap_group, self.stage_layers = tap_group, stage_layers
+        self.transport = PipeTransport(pipe_group, stage, self.num_stages)
+        self.ref_transport = PipeTransport(pipe_group, stage, self.num_stages)
+        self.last_rank = dist.get_process_group_ranks(pipe_group)[-1]
+        self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
+                                kl_coef=kl_coef)
+        self.grad_clip = grad_clip
+        self.tap_layers = tuple(tap_layers)
+        self.taps, self._tap_hooks = None, []
+        self.num_steps = 0  # the taps' step stamp
+
+    def _channel_for(self, mbs: list[PolicyMinibatch]) -> TapChannel:
+        """The TapChannel, (re)built when a microbatch outgrows its landing slots: every rank sees
+        the same microbatches, so all of them rebuild at the same step, with the same size."""
+        need = max(len(m.tokens) for m in mbs)
+        if self.taps is None or need > self.taps.max_tokens:
+            for handle in self._tap_hooks:
+                handle.remove()
+            like = next(self.model.parameters())
+            self.taps = TapChannel(self.tap_group, stage=self.stage, stage_layers=self.stage_layers,
+                                   tap_layers=self.tap_layers, max_microbatches=self.num_microbatches,
+                                   max_tokens=2 * need, hidden_size=self.model.config.hidden_size,
+                                   dtype=like.dtype, device=like.device)
+            self._tap_hooks = self.taps.attach(self.model)
+        return self.taps
+
+    @torch.no_grad()
+    def reference_logits(self, mbs: list[PolicyMinibatch]) -> list[Tensor]:
+        """Step 1: the reference's logits of every microbatch on the last stage ([] elsewhere)."""
+        t, like = self.ref_transport, next(self.model.parameters())
+        logits = []
+        for mb in mbs:
+            if self.first:
+                out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens)
+            else:
+                x = t.recv(like, (1, len(mb.tokens), self.model.config.hidden_size), self.stage - 1,
+                           "ref_act", mb.index)
+                out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens)
+            if self.last:
+                logits.append(out.logits[0])
+            else:
+                t.send(out.hidden, self.stage + 1, "ref_act", mb.index)
+        t.finish()
+        return logits
+
+    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+        if tap_layers and tuple(tap_layers) != self.tap_layers:
+            raise ValueError(f"tap_layers {tuple(tap_layers)}: the TapChannel was built for "
+                             f"{self.tap_layers}")
+        device = next(self.model.parameters()).device
+        mbs = mb.to(device).split(self.num_microbatches)
+        ref_logits = self.reference_logits(mbs)
+        sums: list[Tensor] = []
+
+        def loss_fn(logits_TV: Tensor, micro: Microbatch) -> Tensor:
+            loss, s = minibatch_terms(logits_TV, ref_logits[micro.index], mbs[micro.index],
+                                      **self.loss_kwargs)
+            sums.append(s)
+            return loss
+
+        captured: list[TTTBatch] = []
+
+        def capture(micro: Microbatch, logits_TV: Tensor, _num_microbatches: int) -> None:
+            # The channel's slots are reused by the next step: keep copies.
+            feats = self.taps.wait(micro.index, self.tap_layers)
+            captured.append(TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
+                                     loss_mask=micro.loss_mask,
+                                     taps={k: v.clone() for k, v in feats.items()},
+                                     policy_logits=logits_TV))
+
+        with_taps = bool(tap_layers)
+        step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
+                            taps=self._channel_for(mbs) if with_taps else None,
+                            on_last_backward=capture if with_taps and self.last else None)
+        self.optimizer.zero_grad(set_to_none=True)
+        step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
+                             loss_mask=m.loss_mask, index=m.index) for m in mbs], step=self.num_steps)
+        self.num_steps += 1
+        grad_norm = clip_grad_norm_across_stages(list(self.model.parameters()), self.grad_clip,
+                                                 self.pipe_group)
+        self.optimizer.step()
+        total = torch.stack(sums).sum(0) if self.last else torch.zeros(len(SUMS), device=device)
+        dist.broadcast(total, self.last_rank, group=self.pipe_group)
+        return total, float(grad_norm), [cat_batches(captured)] if captured else []
+
+
+class StageWeightSync:
+    """The seam of `cospec.rl.weight_sync` for a pipelined policy: ``push(stage)`` is a collective
+    over ``group``; the stages' state dicts (checkpoint names) are gathered on rank ``dst`` and
+    copied into ``target`` there (the rollout engine's full policy; None on other ranks)."""
+
+    def __init__(self, group, target: nn.Module | None, dst: int = 0):
+        self.group, self.target, self.dst = group, target, dst
+        self.num_pushes = 0
+
+    @torch.no_grad()
+    def push(self, stage: nn.Module) -> None:
+        state = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
+        rank = dist.get_rank()
+        parts = [None] * dist.get_world_size(self.group) if rank == self.dst else None
+        dist.gather_object(state, parts, dst=self.dst, group=self.group)
+        if rank == self.dst:
+            merged = {k: v for part in parts for k, v in part.items()}
+            dst = self.target.state_dict()
+            if merged.keys() != dst.keys():
+                raise ValueError(f"stage weight sync: the stages' weights do not make up the policy: "
+                                 f"{sorted(set(merged) ^ set(dst))[:5]}")
+            for name, t in dst.items():
+                t.copy_(merged[name])
+        self.num_pushes += 1
+
+
+class DraftWeightSync:
+    """The draft's weights from the stage that trains it (``src``) to the rollout engine's copy on
+    ``dst``; ``push(draft)`` is called on both (other ranks: no-op)."""
+
+    def __init__(self, target: nn.Module | None, *, src: int, dst: int = 0):
+        self.target, self.src, self.dst = target, src, dst
+
+    @torch.no_grad()
+    def push(self, draft: nn.Module) -> None:
+        rank = dist.get_rank()
+        if self.src == self.dst:
+            if rank == self.dst:
+                for name, t in self.target.state_dict().items():
+                    t.copy_(draft.state_dict()[name])
+            return
+        if rank == self.src:
+            dist.send_object_list([{k: v.detach().cpu() for k, v in draft.state_dict().items()}],
+                                  dst=self.dst)
+        elif rank == self.dst:
+            box = [None]
+            dist.recv_object_list(box, src=self.src)
+            for name, t in self.target.state_dict().items():
+                t.copy_(box[0][name])

@@ -1,0 +1,166 @@
+"""One GRPO optimizer step on the policy: the minibatch, its additive loss, and the single-process step.
+
+# T packed tokens, N sequences, V vocab, K summed statistics
+
+The trainer (`cospec.rl.trainer`) calls a *policy step* once per minibatch:
+``step(mb, tap_layers) -> (sums, grad_norm, captured)``. `LocalPolicyStep` below is the
+single-process one; the context-parallel (`cospec.parallel.cp_step`) and pipelined
+(`cospec.parallel.pp_step`) ones fill the same seam, so the trainer does not know which ran.
+
+What makes the three agree is that the loss is *additive over any split of the tokens*:
+`minibatch_terms` divides by the minibatch's total response-token count, not by the count of the
+piece it sees, so the pieces (zigzag shards, pipeline microbatches) sum to the whole minibatch's
+loss, and so do their gradients and every logged statistic (`SUMS`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from cospec.draft.ttt import TTTBatch
+from cospec.rl import grpo
+from cospec.sft import pack_examples
+
+#: the statistics a step sums over its tokens (a tensor, so one all-reduce carries all of them)
+SUMS = ("loss", "tokens", "clipped", "kl", "entropy", "mismatch_abs", "mismatch_mult")
+
+
+@dataclass
+class PolicyMinibatch:
+    """Packed rollouts with their per-token GRPO inputs, laid out like the packed targets.
+
+    tokens, targets: long [T]; cu_seqlens: long [N+1]; loss_mask: float [T] (1 on response tokens);
+    old_logprobs: float [T] (the rollout engine's); advantages: float [T] (the rollout's A on each
+    of its tokens); num_tokens: response tokens of the *whole* minibatch (the loss's divisor, also
+    for a piece of it); index: a microbatch's place in its step (pipeline stamps).
+    """
+
+    tokens: Tensor
+    targets: Tensor
+    cu_seqlens: Tensor
+    loss_mask: Tensor
+    old_logprobs: Tensor
+    advantages: Tensor
+    num_tokens: int
+    index: int = 0
+
+    @classmethod
+    def from_rollouts(cls, completions, advantages_R: Tensor, idx: list[int]) -> "PolicyMinibatch":
+        packed = pack_examples([(completions[i].prompt + completions[i].tokens,
+                                 [0] * len(completions[i].prompt) + [1] * len(completions[i].tokens))
+                                for i in idx])
+        cu, mask = packed.cu_seqlens, packed.loss_mask[0]
+        old, adv = torch.zeros_like(mask), torch.zeros_like(mask)
+        for j, i in enumerate(idx):
+            c = completions[i]
+            end, n = int(cu[j + 1]), len(c.tokens)
+            old[end - n:end] = torch.tensor(c.logprobs, dtype=old.dtype)
+            adv[end - n:end] = float(advantages_R[i])
+        return cls(tokens=packed.tokens[0], targets=packed.targets[0], cu_seqlens=cu, loss_mask=mask,
+                   old_logprobs=old, advantages=adv, num_tokens=int(mask.sum()))
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+    def to(self, device) -> "PolicyMinibatch":
+        return PolicyMinibatch(**{k: v.to(device) if isinstance(v, Tensor) else v
+                                  for k, v in self.__dict__.items()})
+
+    def sequences(self, first: int, last: int, index: int = 0) -> "PolicyMinibatch":
+        """Sequences first..last-1 as a microbatch; num_tokens stays the whole minibatch's."""
+        a, b = int(self.cu_seqlens[first]), int(self.cu_seqlens[last])
+        return PolicyMinibatch(tokens=self.tokens[a:b], targets=self.targets[a:b],
+                               cu_seqlens=self.cu_seqlens[first:last + 1] - a,
+                               loss_mask=self.loss_mask[a:b], old_logprobs=self.old_logprobs[a:b],
+                               advantages=self.advantages[a:b], num_tokens=self.num_tokens,
+                               index=index)
+
+    def split(self, parts: int) -> list["PolicyMinibatch"]:
+        """``parts`` microbatches of whole sequences, contiguous, cut where the running token count
+        crosses each multiple of T / parts (balanced in tokens, at least one sequence each)."""
+        n = self.num_sequences
+        if not 1 <= parts <= n:
+            raise ValueError(f"cannot split {n} sequences into {parts} microbatches (need 1..{n}); "
+                             f"lower parallel.microbatches or raise the rollouts per minibatch")
+        total = int(self.cu_seqlens[-1])
+        cuts = [0]
+        for k in range(1, parts):
+            target = total * k / parts
+            cut = int(torch.searchsorted(self.cu_seqlens, torch.tensor(target)).clamp(max=n))
+            cuts.append(min(max(cut, cuts[-1] + 1), n - (parts - k)))
+        cuts.append(n)
+        return [self.sequences(a, b, index=i) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
+
+
+def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor, mb: PolicyMinibatch, *,
+                    temperature: float, clip_low: float, clip_high: float,
+                    kl_coef: float) -> tuple[Tensor, Tensor]:
+    """(loss, sums [K] in the order of `SUMS`) of the tokens of ``mb`` (or of a piece of it).
+
+    loss = GRPO's clipped token-level loss (`grpo.clipped_policy_loss`) divided by mb.num_tokens;
+    with a KL penalty the exact KL to the reference is part of it (gradient through logits),
+    without it is only summed for the log. mismatch_*: |logp - old| and exp|logp - old| summed
+    (trainer vs rollout engine; meaningful before the step's first update).
+    """
+    m = mb.loss_mask
+    logp = grpo.token_logprobs(logits_TV, mb.targets, temperature)
+    kl_T = grpo.kl_to_reference(logits_TV if kl_coef else logits_TV.detach(), ref_logits_TV,
+                                temperature)
+    out = grpo.clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, m, clip_low=clip_low,
+                                   clip_high=clip_high, kl_T=kl_T, kl_coef=kl_coef,
+                                   num_tokens=mb.num_tokens)
+    with torch.no_grad():
+        ratio = (logp - mb.old_logprobs).exp()
+        clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
+        diff = (logp - mb.old_logprobs).abs()
+        entropy = grpo.token_entropy(logits_TV, temperature)
+        sums = torch.stack([out.loss.detach() * mb.num_tokens, m.sum(), (clipped * m).sum(),
+                            (kl_T.detach() * m).sum(), (entropy * m).sum(), (diff * m).sum(),
+                            (diff.exp() * m).sum()]).float()
+    return out.loss, sums
+
+
+def metrics_from_sums(sums: Tensor, grad_norm: float) -> dict:
+    """Means per response token of a minibatch's `SUMS` (the loss is already one)."""
+    s = dict(zip(SUMS, sums.tolist()))
+    n = max(s["tokens"], 1.0)
+    return {"loss": s["loss"] / n, "clip_fraction": s["clipped"] / n, "kl_from_init": s["kl"] / n,
+            "entropy": s["entropy"] / n, "grad_norm": grad_norm,
+            "mismatch_mean_abs_logprob": s["mismatch_abs"] / n,
+            "mismatch_token_mult_prob_error": s["mismatch_mult"] / n}
+
+
+class LocalPolicyStep:
+    """The policy step on one process: forward (with the draft's taps when asked), the reference
+    forward, loss, backward, clip, optimizer step. ``captured``: one `TTTBatch` (detached taps and
+    logits of this same forward: co-training costs no policy forward)."""
+
+    def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
+                 clip_high: float, kl_coef: float, grad_clip: float):
+        self.policy, self.reference, self.optimizer = policy, reference, optimizer
+        self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
+                                kl_coef=kl_coef)
+        self.grad_clip = grad_clip
+
+    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+        device = next(self.policy.parameters()).device
+        mb = mb.to(device)
+        out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers)
+        with torch.no_grad():
+            ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
+        loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
+                     if self.grad_clip > 0 else torch.zeros(()))
+        self.optimizer.step()
+        captured = []
+        if tap_layers:
+            captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
+                                     taps={k: v[0] for k, v in out.taps.items()},
+                                     policy_logits=out.logits[0].detach()))
+        return sums, float(grad_norm), captured
