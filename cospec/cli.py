@@ -311,6 +311,12 @@ def cmd_bench(args) -> int:
 
         pp.run_cli(_resolve(args), quick=args.quick, json_path=args.json)
         return 0
+    if args.what == "train-step":
+        from cospec.bench import train_step
+
+        train_step.run_cli(_resolve(args), layouts=args.layouts, quick=args.quick,
+                           json_path=args.json)
+        return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
@@ -347,7 +353,7 @@ def build_parser() -> argparse.ArgumentParser:
     _config_args(e)
     e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation", "rollout", "cp", "pp"])
+    b.add_argument("what", choices=["generation", "rollout", "cp", "pp", "train-step"])
     b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
     b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
@@ -355,6 +361,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rollout: the RL prompt mix, or its long tail (long copy answers)")
     b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
     b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
+    b.add_argument("--layouts", default="single,single@2,cp2,pp2",
+                   help="train-step: comma-separated single, single@THREADS, cpN, ppN")
     b.add_argument("--json", help="also write the rows as JSON to this path")
     _config_args(b)
     b.set_defaults(fn=cmd_bench)
