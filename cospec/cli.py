@@ -47,7 +47,8 @@ def cmd_config(args) -> int:
 
 
 def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = False):
-    """Reuse out_dir/sft when its model config matches, else train and save it. Returns (model, metrics)."""
+    """Reuse out_dir/sft when its model config (and sft.label_noise) match, else train and save it.
+    Returns (model, metrics)."""
     from cospec.models.hf_checkpoint import load_hf
     from cospec.sft import save_sft, train_sft
 
@@ -55,10 +56,13 @@ def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = Fal
     ckpt, metrics_path = out / "sft", out / "sft_metrics.json"
     if not force and ckpt.exists() and metrics_path.exists():
         model = load_hf(ckpt, device=device)
-        if model.config == cfg.model:
+        saved = out / "config.json"
+        noise = (json.loads(saved.read_text()).get("sft", {}).get("label_noise", 0.0)
+                 if saved.exists() else 0.0)
+        if model.config == cfg.model and noise == cfg.sft.label_noise:
             print(f"reusing SFT checkpoint {ckpt}")
             return model.eval(), json.loads(metrics_path.read_text())
-        print(f"SFT checkpoint {ckpt} has a different model config: retraining")
+        print(f"SFT checkpoint {ckpt} has a different model config or sft.label_noise: retraining")
     model, metrics = train_sft(cfg, device=device)
     save_sft(model, metrics, cfg, out)
     print(f"saved SFT checkpoint to {ckpt}")

@@ -135,8 +135,13 @@ class SFTConfig:
     eval_prompts_per_family: int = 64
     #: torch manual seed
     seed: int = 0
+    #: a noisy demonstrator: each answer token of the SFT data is replaced, with this probability,
+    #: by a random token (EOS kept). RL with the exact verifier then has to sharpen the policy
+    #: away from the noise: a task setting that moves the policy (docs/results/cotrain.md)
+    label_noise: float = 0.0
 
     def __post_init__(self) -> None:
+        _check(0 <= self.label_noise < 1, "sft.label_noise", f"must be in [0, 1), got {self.label_noise}")
         _check(self.steps > 0, "sft.steps", "must be positive")
         _check(self.tokens_per_batch > 0, "sft.tokens_per_batch", "must be positive")
         _check(self.lr > 0, "sft.lr", f"must be positive, got {self.lr}")
@@ -185,7 +190,7 @@ class DraftConfig:
     #: docs/results/cotrain.md)
     cotrain_lr: float = 1e-4
     #: co-training: the draft trains on at most this many of each step's tokens (whole sequences,
-    #: the first ones of each minibatch; 0 = all): its cost grows with them
+    #: a random subset of each minibatch; 0 = all): its cost grows with them
     cotrain_max_tokens: int = 2048
     #: draft loss mix: 0 = soft cross-entropy only, 1 = total variation only
     tv_weight: float = 0.0

@@ -26,7 +26,7 @@ from cospec.config import RunConfig, SamplingConfig
 from cospec.metrics.progress import progress_bar
 from cospec.models.llama import Transformer
 from cospec.rl.tasks import Example, TaskSuite
-from cospec.rl.tokenizer import CharTokenizer, check_vocab
+from cospec.rl.tokenizer import SPECIALS, CharTokenizer, check_vocab
 from cospec.rollout.engine import GenerationEngine
 
 
@@ -59,11 +59,24 @@ def pack_examples(encoded: list[tuple[list[int], list[int]]]) -> PackedBatch:
                        cu_seqlens=torch.tensor(cu))
 
 
-def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_per_batch: int) -> PackedBatch:
+def add_label_noise(ids: list[int], mask: list[int], noise: float, rng: random.Random,
+                    tok: CharTokenizer) -> list[int]:
+    """Each answer token (mask 1, EOS excluded) replaced with probability ``noise`` by a token drawn
+    uniformly from the tokenizer's non-special ids: a demonstrator that slips, in its inputs and its
+    targets alike (the sequence stays one the demonstrator wrote)."""
+    if noise <= 0:
+        return ids
+    return [rng.randrange(len(SPECIALS), tok.vocab_size) if m and t != tok.eos_id and rng.random() < noise
+            else t for t, m in zip(ids, mask)]
+
+
+def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_per_batch: int,
+               label_noise: float = 0.0) -> PackedBatch:
     """Draw examples until the next one would overflow the token budget (at least one example)."""
     encoded, used = [], 0
     while True:
         ids, m = suite.encode_sft(suite.sample(rng), tok)
+        ids = add_label_noise(ids, m, label_noise, rng, tok)
         if encoded and used + len(ids) - 1 > tokens_per_batch:
             break
         encoded.append((ids, m))
@@ -125,7 +138,7 @@ def train_sft(cfg: RunConfig, *, device: torch.device, progress: bool = True,
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr=s.lr, warmup=s.warmup_steps, total=s.steps,
                                 min_ratio=s.min_lr_ratio)
-            batch = next_batch(suite, tok, rng, s.tokens_per_batch)
+            batch = next_batch(suite, tok, rng, s.tokens_per_batch, s.label_noise)
             batch = PackedBatch(*(t.to(device) for t in (batch.tokens, batch.targets,
                                                           batch.loss_mask, batch.cu_seqlens)))
             loss = sft_loss(model, batch)

@@ -6,12 +6,14 @@ cache) when the drafted tokens are the sequence's own. So what the draft is trai
 asked in rollouts. Tolerance 1e-5 (fp32; the two paths differ in summation order only).
 """
 
+import random
+
 import pytest
 import torch
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.offline import train_draft_offline
-from cospec.draft.ttt import TTTBatch, entry_features, first_sequences, ttt_loss, ttt_steps, ttt_unroll
+from cospec.draft.ttt import TTTBatch, entry_features, sample_sequences, ttt_loss, ttt_steps, ttt_unroll
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.llama import Transformer
@@ -129,11 +131,26 @@ def test_offline_training_raises_the_drafts_acceptance(tmp_path):
     assert metrics["num_tokens"] > 0
 
 
-def test_first_sequences_keeps_whole_sequences_within_the_token_budget(policy):
+def test_sample_sequences_keeps_random_whole_sequences_within_the_token_budget(policy):
     draft = Eagle3Draft.from_policy(policy)
-    batch = packed_batch(policy, draft, [9, 5, 12])
-    cut = first_sequences(batch, 15)
-    assert cut.cu_seqlens.tolist() == [0, 9, 14] and cut.tokens.numel() == 14
-    assert torch.equal(cut.taps[draft.tap_layers[0]], batch.taps[draft.tap_layers[0]][:14])
-    assert first_sequences(batch, 4).cu_seqlens.tolist() == [0, 9]  # at least one sequence
-    assert first_sequences(batch, 0) is batch and first_sequences(batch, 26) is batch
+    lengths = [9, 5, 12, 7, 3]
+    batch = packed_batch(policy, draft, lengths)
+    starts = [0, 9, 14, 26, 33]
+    seen = set()
+    for seed in range(20):
+        cut = sample_sequences(batch, 20, random.Random(seed))
+        kept = (cut.cu_seqlens[1:] - cut.cu_seqlens[:-1]).tolist()
+        assert 0 < sum(kept) <= 20 or len(kept) == 1
+        # Whole sequences, in their original order, each with its own tokens, taps and logits.
+        ids = [lengths.index(n) for n in kept]  # lengths are distinct
+        assert ids == sorted(ids)
+        index = torch.cat([torch.arange(starts[i], starts[i] + lengths[i]) for i in ids])
+        assert torch.equal(cut.tokens, batch.tokens[index])
+        assert torch.equal(cut.taps[draft.tap_layers[0]], batch.taps[draft.tap_layers[0]][index])
+        assert torch.equal(cut.policy_logits, batch.policy_logits[index])
+        seen.add(tuple(ids))
+    assert len(seen) > 3  # random subsets, not always the leading sequences
+    assert sample_sequences(batch, 0, random.Random(0)) is batch
+    assert sample_sequences(batch, 36, random.Random(0)) is batch
+
+

@@ -63,3 +63,28 @@ def test_sft_checkpoint_reloads_to_the_same_model(tmp_path):
     assert torch.equal(again(x).logits, model(x).logits)
     assert json.loads((tmp_path / "sft_metrics.json").read_text())["steps"] == 2
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_label_noise_corrupts_answer_tokens_at_its_rate_and_nothing_else():
+    import random
+
+    from cospec.config import TaskConfig
+    from cospec.rl.tokenizer import EOS, SPECIALS
+    from cospec.sft import add_label_noise
+
+    suite, tok, rng = TaskSuite(TaskConfig()), CharTokenizer(), random.Random(0)
+    changed = answer = 0
+    for _ in range(2000):
+        ids, mask = suite.encode_sft(suite.sample(rng), tok)
+        noisy = add_label_noise(ids, mask, 0.2, rng, tok)
+        for a, b, m in zip(ids, noisy, mask):
+            if not m or a == EOS:  # prompts and EOS stay as they are
+                assert a == b
+                continue
+            answer += 1
+            changed += a != b
+            assert len(SPECIALS) <= b < tok.vocab_size
+    # A replacement may redraw the same token (1 in 46): expected rate 0.2 * 45/46.
+    rate, expected = changed / answer, 0.2 * (tok.vocab_size - len(SPECIALS) - 1) / (tok.vocab_size - len(SPECIALS))
+    assert abs(rate - expected) < 4 * math.sqrt(expected * (1 - expected) / answer), (rate, expected)
+    assert add_label_noise(ids, mask, 0.0, rng, tok) is ids

@@ -17,6 +17,7 @@ policy sample they are what the policy drew, i.e. the draft is trained on-policy
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -63,16 +64,31 @@ def cat_batches(batches: list[TTTBatch]) -> TTTBatch:
                     policy_logits=torch.cat([b.policy_logits for b in batches]))
 
 
-def first_sequences(batch: TTTBatch, max_tokens: int) -> TTTBatch:
-    """The leading whole sequences of `batch` with at most max_tokens tokens (at least one)."""
+def sample_sequences(batch: TTTBatch, max_tokens: int, rng: random.Random) -> TTTBatch:
+    """Whole sequences of `batch` drawn in a random order until the next one would pass
+    max_tokens (at least one), kept in their original order; the batch itself when it fits.
+
+    Random, not the leading ones: a step's rollouts come grouped by prompt (group_size answers
+    each), so the first sequences would be a handful of prompts' groups.
+    """
     cu = batch.cu_seqlens
     if max_tokens <= 0 or int(cu[-1]) <= max_tokens:
         return batch
-    n = max(1, int((cu[1:] <= max_tokens).sum()))
-    end = int(cu[n])
-    return TTTBatch(tokens=batch.tokens[:end], cu_seqlens=cu[:n + 1], loss_mask=batch.loss_mask[:end],
-                    taps={k: v[:end] for k, v in batch.taps.items()},
-                    policy_logits=batch.policy_logits[:end])
+    lengths = (cu[1:] - cu[:-1]).tolist()
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    chosen, used = [], 0
+    for i in order:
+        if chosen and used + lengths[i] > max_tokens:
+            break
+        chosen.append(i)
+        used += lengths[i]
+    chosen.sort()
+    index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]), device=cu.device) for i in chosen])
+    new_cu = torch.tensor([0] + [lengths[i] for i in chosen], device=cu.device).cumsum(0)
+    return TTTBatch(tokens=batch.tokens[index], cu_seqlens=new_cu.to(cu.dtype),
+                    loss_mask=batch.loss_mask[index], taps={k: v[index] for k, v in batch.taps.items()},
+                    policy_logits=batch.policy_logits[index])
 
 
 def shifted_taps(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:

@@ -30,7 +30,7 @@ import torch
 
 from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.draft.offline import train_draft_offline
-from cospec.draft.ttt import TTTBatch, first_sequences, ttt_loss
+from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -221,9 +221,11 @@ class GRPOTrainer:
             return {}
         self.draft.train()
         metrics: dict = {}
-        # Spread the token budget over the step's minibatches.
+        # Spread the token budget over the step's minibatches; which sequences: seeded by the step
+        # (the same on every rank, and again after a resume).
         per_batch = d.cotrain_max_tokens // len(self._draft_data) if d.cotrain_max_tokens else 0
-        data = [first_sequences(b, per_batch) if d.cotrain_max_tokens else b for b in self._draft_data]
+        rng = random.Random(self.g.seed * 1_000_003 + self.step)
+        data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
         for _ in range(d.cotrain_iters):
             for batch in data:
                 loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
