@@ -292,7 +292,8 @@ class GRPOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    #: context-parallel ranks: each packed sequence is zigzag-sharded over them (ring attention)
+    #: context-parallel ranks (per pipeline stage): each packed sequence is zigzag-sharded over
+    #: them (ring attention); cp x pp processes in all
     cp: int = 1
     #: pipeline-parallel stages (the draft trains on the last one, fed by TapChannel)
     pp: int = 1
@@ -304,8 +305,6 @@ class ParallelConfig:
     def __post_init__(self) -> None:
         _check(self.cp >= 1, "parallel.cp", f"must be >= 1, got {self.cp}")
         _check(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
-        _check(self.cp == 1 or self.pp == 1, "parallel",
-               f"cp={self.cp} with pp={self.pp}: the pp x cp mesh is not built; use one of them")
         _check(self.microbatches >= 1, "parallel.microbatches", f"must be >= 1, got {self.microbatches}")
         _check(self.schedule in ("1f1b", "gpipe"), "parallel.schedule",
                f"must be 1f1b or gpipe, got {self.schedule!r}")

@@ -66,24 +66,28 @@ def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys,
     assert main(["train", *TINY, f"out_dir={tmp_path}", "parallel.cp=2"]) == 2
     assert "torchrun --nproc-per-node 2" in capsys.readouterr().err
     assert main(["train", *TINY, f"out_dir={tmp_path}", "parallel.cp=2", "parallel.pp=2"]) == 2
-    assert "pp x cp mesh is not built" in capsys.readouterr().err
+    assert "torchrun --nproc-per-node 4" in capsys.readouterr().err
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["parallel.cp=2", "parallel.pp=2"])
+@pytest.mark.parametrize("layout", ["parallel.cp=2", "parallel.pp=2", "parallel.pp=2 parallel.cp=2"])
 def test_torchrun_runs_distributed_grpo_from_the_command_line(tmp_path, layout):
-    """The real entry point: torchrun starts 2 ranks of `python -m cospec train`; rank 0 makes the
-    SFT policy and the draft, all ranks train, rank 0 logs and checkpoints."""
+    """The real entry point: torchrun starts cp x pp ranks of `python -m cospec train`; rank 0 makes
+    the SFT policy and the draft, all ranks train, rank 0 logs and checkpoints."""
     import json
+    import math
     import subprocess
     import sys
     from pathlib import Path
 
     torchrun = Path(sys.executable).parent / "torchrun"
     out = tmp_path / "run"
-    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "cospec", "train",
-           *TINY, f"out_dir={out}", "rollout.speculative=true", "draft.mode=cotrain",
-           "rollout.adaptive=false", "grpo.steps=2", "grpo.eval_every=0", layout]
+    overrides = layout.split()
+    nproc = math.prod(int(o.split("=")[1]) for o in overrides)
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "cospec", "train", *TINY, f"out_dir={out}", "rollout.speculative=true",
+           "draft.mode=cotrain", "rollout.adaptive=false", "grpo.steps=2", "grpo.eval_every=0",
+           *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]

@@ -1,6 +1,6 @@
 """Specification of distributed GRPO (cospec.parallel.train_group, cp_step, pp_step): one whole
 trainer step (rollouts on rank 0, the policy update, the draft's co-training, the weight sync) under
-parallel.cp=N or parallel.pp=N equals the same step on one process.
+parallel.cp=N, parallel.pp=N or the 2 x 2 pp x cp mesh equals the same step on one process.
 
 Compared, in fp32: the step's loss, KL, entropy and draft loss; every policy gradient and every
 draft gradient the step leaves behind (relative to the largest entry, tolerance 1e-4: the ranks
@@ -64,10 +64,14 @@ def _step(cfg, group=None) -> dict:
     return out
 
 
-def _distributed_step(rank, num_ranks, out_dir, kind):
+LAYOUTS = {"cp2": ["parallel.cp=2"], "cp4": ["parallel.cp=4"], "pp2": ["parallel.pp=2"],
+           "pp4": ["parallel.pp=4"], "pp2xcp2": ["parallel.pp=2", "parallel.cp=2"]}
+
+
+def _distributed_step(rank, num_ranks, out_dir, layout):
     from cospec.parallel.train_group import make_train_group
 
-    cfg = _cfg(out_dir, f"parallel.{kind}={num_ranks}")
+    cfg = _cfg(out_dir, *LAYOUTS[layout])
     return _step(cfg, make_train_group(cfg.parallel, rank, num_ranks))
 
 
@@ -76,10 +80,11 @@ def _rel(a, b) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind,ranks", [("cp", 2), ("cp", 4), ("pp", 2), ("pp", 4)])
-def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, kind, ranks):
+@pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("cp4", 4), ("pp2", 2), ("pp4", 4),
+                                           ("pp2xcp2", 4)])
+def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout, ranks):
     reference = _step(_cfg(tmp_path / "ref"))
-    results = spawn(_distributed_step, ranks, str(tmp_path / kind), kind, timeout_s=120)
+    results = spawn(_distributed_step, ranks, str(tmp_path / layout), layout, timeout_s=120)
     root = results[0]
     assert reference["metrics"]["grad_norm"] > 0.05  # clipping is active: its reduction is tested
     for k, v in reference["metrics"].items():
@@ -92,7 +97,7 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, kind, 
             covered.add(name)
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
-    assert len(owners) == (ranks if kind == "cp" else 1)
+    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()
         for name, g in r["draft_grads"].items():

@@ -60,6 +60,8 @@ class Microbatch:
     targets: Tensor
     loss_mask: Tensor
     index: int = 0
+    #: RoPE positions [T] when the row is a context-parallel shard (default: restart per sequence)
+    positions: Tensor | None = None
 
     @classmethod
     def from_packed(cls, packed, index: int) -> "Microbatch":
@@ -202,13 +204,14 @@ class PipelineStep:
         cu = mb.cu_seqlens.to(self._like.device)
         if self.taps is not None:
             self.taps.set_microbatch(m)  # the stamp of the taps this forward posts
+        pos = mb.positions.to(cu.device)[None] if mb.positions is not None else None
         if self.first:
             x = None
-            out = self.model(mb.tokens.to(cu.device)[None], cu_seqlens=cu)
+            out = self.model(mb.tokens.to(cu.device)[None], cu_seqlens=cu, positions_BT=pos)
         else:
             shape = (1, len(mb.tokens), self.model.config.hidden_size)
             x = t.recv(self._like, shape, t.stage - 1, "act", m).requires_grad_()
-            out = self.model(inputs_embeds=x, cu_seqlens=cu)
+            out = self.model(inputs_embeds=x, cu_seqlens=cu, positions_BT=pos)
         if self.last:
             loss = self.loss_fn(out.logits[0], mb)
             self._saved[m] = (x, loss, out.logits[0].detach())

@@ -64,13 +64,22 @@ class PipelinedPolicyStep:
 
     def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
                  pipe_group, tap_group, num_microbatches: int, schedule: str, tap_layers=(),
-                 temperature: float, clip_low: float, clip_high: float,
+                 cp_group=None, temperature: float, clip_low: float, clip_high: float,
                  kl_coef: float, grad_clip: float):
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.stage, self.num_stages = stage, len(stage_layers)
         self.first, self.last = stage == 0, stage == self.num_stages - 1
         self.pipe_group, self.num_microbatches, self.schedule = pipe_group, num_microbatches, schedule
         self.tap_group, self.stage_layers = tap_group, stage_layers
+        # pp x cp: this stage is held by the ranks of cp_group, each running it on its zigzag shard
+        # of every microbatch with ring attention inside the group.
+        self.cp_group = cp_group
+        self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
+        self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
+        if cp_group is not None:
+            from cospec.parallel.ring_attention import RingAttention
+
+            model.attn_fn = reference.attn_fn = RingAttention(cp_group)
         self.transport = PipeTransport(pipe_group, stage, self.num_stages)
         self.ref_transport = PipeTransport(pipe_group, stage, self.num_stages)
         self.last_rank = dist.get_process_group_ranks(pipe_group)[-1]
@@ -102,12 +111,13 @@ class PipelinedPolicyStep:
         t, like = self.ref_transport, next(self.model.parameters())
         logits = []
         for mb in mbs:
+            pos = mb.positions[None] if mb.positions is not None else None
             if self.first:
-                out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens)
+                out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens, positions_BT=pos)
             else:
                 x = t.recv(like, (1, len(mb.tokens), self.model.config.hidden_size), self.stage - 1,
                            "ref_act", mb.index)
-                out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens)
+                out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens, positions_BT=pos)
             if self.last:
                 logits.append(out.logits[0])
             else:
@@ -120,7 +130,16 @@ class PipelinedPolicyStep:
             raise ValueError(f"tap_layers {tuple(tap_layers)}: the TapChannel was built for "
                              f"{self.tap_layers}")
         device = next(self.model.parameters()).device
-        mbs = mb.to(device).split(self.num_microbatches)
+        mbs = wholes = [m.to(device) for m in mb.split(self.num_microbatches)]  # split on the host
+        layouts = None
+        if self.cp_group is not None:  # every microbatch zigzag-sharded over the stage's cp ranks
+            from cospec.parallel.cp_step import shard_minibatch
+            from cospec.parallel.zigzag import ZigzagLayout
+
+            layouts = [ZigzagLayout.build(m.cu_seqlens, self.cp) for m in mbs]
+            mbs = [shard_minibatch(m, lay, self.cp_rank) for m, lay in zip(mbs, layouts)]
+            for m, lay in zip(mbs, layouts):
+                m.positions = lay.local_positions(self.cp_rank)
         ref_logits = self.reference_logits(mbs)
         sums: list[Tensor] = []
 
@@ -135,10 +154,20 @@ class PipelinedPolicyStep:
         def capture(micro: Microbatch, logits_TV: Tensor, _num_microbatches: int) -> None:
             # The channel's slots are reused by the next step: keep copies.
             feats = self.taps.wait(micro.index, self.tap_layers)
-            captured.append(TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
-                                     loss_mask=micro.loss_mask,
-                                     taps={k: v.clone() for k, v in feats.items()},
-                                     policy_logits=logits_TV))
+            if layouts is None:
+                captured.append(TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
+                                         loss_mask=micro.loss_mask,
+                                         taps={k: v.clone() for k, v in feats.items()},
+                                         policy_logits=logits_TV))
+                return
+            # pp x cp: the shards back into the whole microbatch (the draft's TTT inputs cross
+            # chunk edges; `cospec.parallel.cp_step` explains the gather).
+            lay, whole = layouts[micro.index], wholes[micro.index]
+            gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
+            captured.append(TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens,
+                                     loss_mask=whole.loss_mask,
+                                     taps={k: gather(v) for k, v in feats.items()},
+                                     policy_logits=gather(logits_TV)))
 
         with_taps = bool(tap_layers)
         step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
@@ -146,12 +175,19 @@ class PipelinedPolicyStep:
                             on_last_backward=capture if with_taps and self.last else None)
         self.optimizer.zero_grad(set_to_none=True)
         step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
-                             loss_mask=m.loss_mask, index=m.index) for m in mbs], step=self.num_steps)
+                             loss_mask=m.loss_mask, index=m.index, positions=m.positions)
+                  for m in mbs], step=self.num_steps)
         self.num_steps += 1
+        if self.cp_group is not None:  # the stage's replicas: their shards' gradients summed
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.cp_group)
         grad_norm = clip_grad_norm_across_stages(list(self.model.parameters()), self.grad_clip,
                                                  self.pipe_group)
         self.optimizer.step()
         total = torch.stack(sums).sum(0) if self.last else torch.zeros(len(SUMS), device=device)
+        if self.last and self.cp_group is not None:
+            dist.all_reduce(total, group=self.cp_group)
         dist.broadcast(total, self.last_rank, group=self.pipe_group)
         return total, float(grad_norm), [cat_batches(captured)] if captured else []
 

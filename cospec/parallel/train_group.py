@@ -1,9 +1,10 @@
 """Who does what in a distributed GRPO run: `parallel.cp` or `parallel.pp` ranks under torchrun.
 
-    torchrun --nproc-per-node 2 -m cospec train parallel.cp=2
-    torchrun --nproc-per-node 2 -m cospec train parallel.pp=2
+    torchrun --standalone --nproc-per-node 2 -m cospec train parallel.cp=2
+    torchrun --standalone --nproc-per-node 2 -m cospec train parallel.pp=2
+    torchrun --standalone --nproc-per-node 4 -m cospec train parallel.pp=2 parallel.cp=2
 
-World = cp x pp processes (one of the two is 1: the pp x cp mesh is not built). Roles:
+World = cp x pp processes, rank = stage * cp + cp_rank. Roles:
 - rank 0 is the *rollout rank*: it owns the rollout engine (a full copy of the policy and of the
   draft), generates, scores, computes advantages, evaluates, logs and writes checkpoints. The
   rollouts reach the other ranks by one broadcast per step. (A real deployment puts the engine on
@@ -12,6 +13,9 @@ World = cp x pp processes (one of the two is 1: the pp x cp mesh is not built). 
   zigzag shard of every minibatch (`cospec.parallel.cp_step`).
 - pp: rank s holds stage s of the policy and the reference; the draft lives on the last stage,
   fed by TapChannel (`cospec.parallel.pp_step`).
+- pp x cp: every stage is held by cp ranks that shard each microbatch (zigzag, ring attention
+  inside the stage's cp group); the pipeline and TapChannel run per cp column (cp rank c of every
+  stage); the last stage's cp ranks co-train the draft on zigzag shards.
 Checkpoints hold the full policy (rank 0's synced copy) and every rank's optimizer state, so a
 run resumes with the same parallel layout (the resume check compares the whole config).
 """
@@ -29,14 +33,25 @@ from cospec.parallel.launch import init_from_env
 
 @dataclass
 class TrainGroup:
-    """This process's place in the run. pipe_group/tap_group: the pipeline's two groups (pp > 1)."""
+    """This process's place in the run: rank = stage * cp + cp_rank (the cp ranks of a stage are
+    neighbours). cp_group: the ranks holding this rank's stage (None: the world, when pp = 1);
+    pipe_group/tap_group: the pipeline's two groups of this rank's cp column (pp > 1)."""
 
     rank: int
     world: int
     cp: int
     pp: int
+    cp_group: object = None
     pipe_group: object = None
     tap_group: object = None
+
+    @property
+    def stage(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.rank % self.cp
 
     @property
     def is_rollout_rank(self) -> bool:
@@ -44,12 +59,14 @@ class TrainGroup:
 
     @property
     def draft_rank(self) -> int | None:
-        """The rank that trains the draft under pp (the last stage); None under cp (all do)."""
-        return self.pp - 1 if self.pp > 1 else None
+        """Under pp the first rank of the last stage, which reports the draft's metrics; None
+        under cp alone (every rank trains the draft)."""
+        return (self.pp - 1) * self.cp if self.pp > 1 else None
 
     @property
     def owns_draft(self) -> bool:
-        return self.draft_rank is None or self.rank == self.draft_rank
+        """Trains the draft: every rank under cp alone, the last stage's ranks under pp."""
+        return self.pp == 1 or self.stage == self.pp - 1
 
     def broadcast(self, obj, src: int = 0):
         """``obj`` of rank ``src`` on every rank (pickled: rollouts, metrics)."""
@@ -85,13 +102,25 @@ def join_train_group(parallel: ParallelConfig, timeout_s: float = 600.0) -> Trai
 
 
 def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGroup:
-    """The roles in an already initialised default group (torchrun, or `launch.spawn` in tests)."""
-    from cospec.parallel.pipeline import pipeline_groups
+    """The roles in an already initialised default group (torchrun, or `launch.spawn` in tests).
 
-    if world != parallel.cp * parallel.pp:
-        raise ConfigError(f"parallel: cp={parallel.cp} x pp={parallel.pp} needs "
-                          f"{parallel.cp * parallel.pp} processes, the group has {world}")
-    group = TrainGroup(rank=rank, world=world, cp=parallel.cp, pp=parallel.pp)
-    if parallel.pp > 1:
-        group.pipe_group, group.tap_group = pipeline_groups()
+    Every rank creates every group, in the same order (torch.distributed requires it): for pp x cp,
+    one cp group per stage, then per cp column the pipeline group and TapChannel's group.
+    """
+    cp, pp = parallel.cp, parallel.pp
+    if world != cp * pp:
+        raise ConfigError(f"parallel: cp={cp} x pp={pp} needs {cp * pp} processes, the group has {world}")
+    group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp)
+    if pp == 1:
+        return group
+    if cp > 1:
+        for s in range(pp):
+            g = dist.new_group([s * cp + c for c in range(cp)])
+            if s == group.stage:
+                group.cp_group = g
+    for c in range(cp):
+        column = [s * cp + c for s in range(pp)]
+        pipe, taps = dist.new_group(column), dist.new_group(column)
+        if c == group.cp_rank:
+            group.pipe_group, group.tap_group = pipe, taps
     return group

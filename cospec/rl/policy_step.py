@@ -35,7 +35,8 @@ class PolicyMinibatch:
     tokens, targets: long [T]; cu_seqlens: long [N+1]; loss_mask: float [T] (1 on response tokens);
     old_logprobs: float [T] (the rollout engine's); advantages: float [T] (the rollout's A on each
     of its tokens); num_tokens: response tokens of the *whole* minibatch (the loss's divisor, also
-    for a piece of it); index: a microbatch's place in its step (pipeline stamps).
+    for a piece of it); index: a microbatch's place in its step (pipeline stamps); positions: set
+    on a zigzag shard (else positions restart at every sequence).
     """
 
     tokens: Tensor
@@ -46,6 +47,7 @@ class PolicyMinibatch:
     advantages: Tensor
     num_tokens: int
     index: int = 0
+    positions: Tensor | None = None  # RoPE positions of a context-parallel shard
 
     @classmethod
     def from_rollouts(cls, completions, advantages_R: Tensor, idx: list[int]) -> "PolicyMinibatch":

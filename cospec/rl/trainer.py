@@ -113,7 +113,7 @@ class GRPOTrainer:
             from cospec.parallel.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
 
             layers = split_layers(cfg.model.num_layers, pp)
-            stage = dict(layers=layers[group.rank], stage=group.rank, num_stages=pp)
+            stage = dict(layers=layers[group.stage], stage=group.stage, num_stages=pp)
             self.policy = build_stage(policy, **stage).train()
             self.reference = build_stage(policy, **stage).eval().requires_grad_(False)
         else:
@@ -126,13 +126,18 @@ class GRPOTrainer:
         elif pp > 1:
             taps = self.draft.tap_layers if self.draft is not None and cfg.draft.mode == "cotrain" else ()
             self.policy_step = PipelinedPolicyStep(
-                self.policy, self.reference, self.optimizer, stage=group.rank, stage_layers=layers,
-                pipe_group=group.pipe_group, tap_group=group.tap_group,
+                self.policy, self.reference, self.optimizer, stage=group.stage, stage_layers=layers,
+                pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
                 num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
                 tap_layers=taps, **kwargs)
-            self.weight_sync = StageWeightSync(group.pipe_group, self.rollout_policy)
+            self.weight_sync = StageWeightSync(None, self.rollout_policy)  # every rank's stage
             self.draft_sync = (DraftWeightSync(self.rollout_draft, src=group.draft_rank)
                                if self.draft is not None else None)
+            if group.cp > 1:  # the last stage's cp ranks co-train the draft on zigzag shards
+                from cospec.parallel.cp_step import ContextParallelDraftLoss
+
+                cp_loss = ContextParallelDraftLoss(group=group.cp_group)
+                self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
             return
         else:
             from cospec.parallel.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
