@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,6 +67,15 @@ def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = Fal
     model, metrics = train_sft(cfg, device=device)
     save_sft(model, metrics, cfg, out)
     print(f"saved SFT checkpoint to {ckpt}")
+    # A saved draft was trained on the previous SFT policy's samples and features: its config
+    # still fits, so `load_or_train_draft` would reuse it. Drop it.
+    from cospec.draft.offline import draft_dir
+
+    for kind in ("eagle3", "lm"):
+        stale = draft_dir(cfg, kind)
+        if stale.exists():
+            shutil.rmtree(stale)
+            print(f"removed {stale}: it was trained on the previous SFT policy")
     return model, metrics
 
 
@@ -187,11 +197,13 @@ def cmd_draft_train(args) -> int:
 
 def check_resumable(cfg: RunConfig, stored: dict) -> None:
     """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow)."""
-    now = cfg.to_dict()
+    now, defaults = cfg.to_dict(), RunConfig().to_dict()
     diffs = []
     for section in sorted(set(now) | set(stored)):
         a, b = now.get(section), stored.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
+            # A key the checkpoint lacks is a field added since: it ran with that field's default.
+            b = {**defaults.get(section, {}), **b}
             for k in sorted(set(a) | set(b)):
                 if a.get(k) != _listify(b.get(k)) and f"{section}.{k}" != "grpo.steps":
                     diffs.append(f"{section}.{k}: checkpoint {b.get(k)!r}, now {a.get(k)!r}")
@@ -226,8 +238,6 @@ def cmd_train(args) -> int:
 
 
 def _train(cfg, args, group) -> int:
-    import shutil
-
     import torch.distributed as dist
 
     from cospec.draft.offline import load_or_train_draft

@@ -47,6 +47,30 @@ def test_draft_train_then_speculative_cotraining_rl_then_a_refused_rerun(tmp_pat
     assert "grpo.lr" in capsys.readouterr().err
 
 
+def test_a_retrained_sft_policy_drops_the_draft_made_for_the_old_one(tmp_path, capsys):
+    """Another sft.label_noise retrains the SFT policy; the saved draft still fits its config but
+    learnt the old policy, so it must go rather than be reused."""
+    out = tmp_path / "run"
+    assert main(["draft-train", *TINY, f"out_dir={out}"]) == 0
+    capsys.readouterr()
+    assert main(["draft-train", *TINY, f"out_dir={out}", "sft.label_noise=0.1"]) == 0
+    printed = capsys.readouterr().out
+    assert "retraining" in printed and f"removed {out / 'draft'}" in printed
+
+
+def test_resume_accepts_a_checkpoint_from_before_a_field_existed_at_its_default():
+    from cospec.cli import check_resumable
+    from cospec.config import ConfigError, RunConfig
+
+    cfg = RunConfig()
+    stored = cfg.to_dict()
+    del stored["sft"]["label_noise"]  # a checkpoint written before the field was added
+    check_resumable(cfg, stored)
+    stored["sft"]["label_noise"] = 0.3
+    with pytest.raises(ConfigError, match="sft.label_noise"):
+        check_resumable(cfg, stored)
+
+
 def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
     import json
 

@@ -24,7 +24,7 @@ from cospec.rl.trainer import GRPOTrainer
 OVERRIDES = ["model.num_layers=4", "grpo.prompts_per_step=4", "grpo.group_size=4",
              "grpo.lr=3e-3", "grpo.kl_coef=0.05", "grpo.grad_clip=0.05", "sampling.batch_size=16",
              "sampling.max_new_tokens=12", "rollout.speculative=true", "rollout.adaptive=false",
-             "rollout.gamma=3", "draft.mode=cotrain", "draft.cotrain_max_tokens=0",
+             "rollout.gamma=3", "draft.mode=cotrain", "draft.cotrain_max_tokens=160",
              "parallel.microbatches=3"]
 
 

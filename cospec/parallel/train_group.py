@@ -34,8 +34,9 @@ from cospec.parallel.launch import init_from_env
 @dataclass
 class TrainGroup:
     """This process's place in the run: rank = stage * cp + cp_rank (the cp ranks of a stage are
-    neighbours). cp_group: the ranks holding this rank's stage (None: the world, when pp = 1);
-    pipe_group/tap_group: the pipeline's two groups of this rank's cp column (pp > 1)."""
+    neighbours). cp_group: the ranks holding this rank's stage under pp x cp (None otherwise: under
+    cp alone the cp group is the world); pipe_group/tap_group: the pipeline's two groups of this
+    rank's cp column (pp > 1)."""
 
     rank: int
     world: int

@@ -130,7 +130,10 @@ class GRPOTrainer:
                 pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
                 num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
                 tap_layers=taps, **kwargs)
-            self.weight_sync = StageWeightSync(None, self.rollout_policy)  # every rank's stage
+            # The stages of cp column 0 (rank 0's) make up the policy; the other columns hold
+            # equal replicas and send nothing.
+            self.weight_sync = (StageWeightSync(group.pipe_group, self.rollout_policy)
+                                if group.cp_rank == 0 else None)
             self.draft_sync = (DraftWeightSync(self.rollout_draft, src=group.draft_rank)
                                if self.draft is not None else None)
             if group.cp > 1:  # the last stage's cp ranks co-train the draft on zigzag shards
@@ -228,7 +231,7 @@ class GRPOTrainer:
         metrics: dict = {}
         # Spread the token budget over the step's minibatches; which sequences: seeded by the step
         # (the same on every rank, and again after a resume).
-        per_batch = d.cotrain_max_tokens // len(self._draft_data) if d.cotrain_max_tokens else 0
+        per_batch = max(1, d.cotrain_max_tokens // len(self._draft_data)) if d.cotrain_max_tokens else 0
         rng = random.Random(self.g.seed * 1_000_003 + self.step)
         data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
         for _ in range(d.cotrain_iters):
@@ -273,7 +276,8 @@ class GRPOTrainer:
 
     def sync_weights(self) -> None:
         """The trained weights to the engine's copies (a collective under pp: the stages' weights
-        are gathered on the rollout rank; cp replicas are equal, rank 0 copies its own)."""
+        of cp column 0 are gathered on the rollout rank; cp replicas are equal, so under cp alone
+        rank 0 copies its own)."""
         if self.weight_sync is not None:
             self.weight_sync.push(self.policy)
         if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
