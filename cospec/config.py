@@ -481,8 +481,8 @@ def describe(cls: type = RunConfig, prefix: str = "") -> list[tuple[str, str, st
     pending = ""
     for line in lines:
         s = line.strip()
-        if s.startswith("#:"):
-            pending = s[2:].strip()
+        if s.startswith("#:"):  # a doc may run over several lines
+            pending = f"{pending} {s[2:].strip()}".strip()
         elif ":" in s and pending:
             docs[s.split(":", 1)[0].strip()] = pending
             pending = ""
