@@ -296,7 +296,7 @@ def cmd_experiment(args) -> int:
     unknown = [m for m in modes if m not in stale_draft.MODES]
     if unknown:
         raise ConfigError(f"--modes: unknown {unknown} (known: {', '.join(stale_draft.MODES)})")
-    stale_draft.run_cli(cfg, modes=modes)
+    stale_draft.run_cli(cfg, modes=modes, out_dir=args.out)
     return 0
 
 
@@ -364,6 +364,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("what", choices=["stale-draft"])
     e.add_argument("--modes", default="none,frozen,cotrain-ce,cotrain-tv",
                    help="comma-separated: none, frozen, cotrain-ce, cotrain-tv, oracle")
+    e.add_argument("--out", default=None,
+                   help="where the JSON and plots go (default out_dir/stale-draft); the SFT policy "
+                        "and the offline draft are still made or reused in out_dir")
     _config_args(e)
     e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")

@@ -83,6 +83,12 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
     assert "tau_first" in result["summary"]["frozen"] and "tau_first" not in result["summary"]["none"]
     for png in ("tau_vs_step.png", "reward_vs_step.png", "step_time_split.png"):
         assert (out / "stale-draft" / png).stat().st_size > 0
+    # --out puts another experiment beside the first, on the same SFT policy and draft.
+    assert main(["experiment", "stale-draft", "--modes", "frozen", "--out", str(tmp_path / "more"),
+                 *TINY, f"out_dir={out}", "grpo.steps=1"]) == 0
+    assert set(json.loads((tmp_path / "more" / "stale_draft.json").read_text())["modes"]) == {"frozen"}
+    assert set(json.loads((out / "stale-draft" / "stale_draft.json").read_text())["modes"]) == {
+        "none", "frozen", "cotrain-tv"}
 
 
 def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):
