@@ -136,8 +136,8 @@ class SFTConfig:
     #: torch manual seed
     seed: int = 0
     #: a noisy demonstrator: each answer token of the SFT data is replaced, with this probability,
-    #: by a random token (EOS kept). RL with the exact verifier then has to sharpen the policy
-    #: away from the noise: a task setting that moves the policy (docs/results/cotrain.md)
+    #: by a random token (EOS kept), so that RL has to sharpen the policy away from the noise
+    #: (tried as a way to move the policy further; at 0.2 it did not: docs/results/cotrain.md)
     label_noise: float = 0.0
 
     def __post_init__(self) -> None:

@@ -66,7 +66,7 @@ def test_every_field_is_documented():
     assert undocumented == []
     # A doc over several `#:` lines is read whole, not only its last line.
     docs = {name: doc for name, _, doc in describe()}
-    assert docs["sft.label_noise"].startswith("a noisy demonstrator") and "moves the policy" in docs["sft.label_noise"]
+    assert docs["sft.label_noise"].startswith("a noisy demonstrator") and "docs/results/cotrain.md" in docs["sft.label_noise"]
 
 
 def test_apply_round_trips_through_dict():
