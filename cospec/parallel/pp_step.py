@@ -3,8 +3,8 @@
 # T packed tokens, C hidden size, V vocab, M microbatches, P pipeline stages
 
 One rank per stage (under the pp x cp mesh, cp ranks per stage, each on its zigzag shard of every
-microbatch; the pipeline runs per cp column); every rank holds the same minibatch (the trainer broadcasts the rollouts) and
-splits it the same way into M microbatches of whole sequences (`PolicyMinibatch.split`). Per
+microbatch; the pipeline runs per cp column); every rank holds the same minibatch (the trainer
+broadcasts the rollouts) and splits it the same way into M microbatches of whole sequences (`PolicyMinibatch.split`). Per
 minibatch, on each stage:
 1. Reference pass (forward only, no graph): the frozen reference's stages run the M microbatches
    through the pipe in order; the last stage keeps the reference logits [T, V] of each, which the

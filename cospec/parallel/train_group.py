@@ -108,6 +108,8 @@ def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGr
     Every rank creates every group, in the same order (torch.distributed requires it): for pp x cp,
     one cp group per stage, then per cp column the pipeline group and TapChannel's group.
     """
+    from cospec.parallel.pipeline import pipeline_groups
+
     cp, pp = parallel.cp, parallel.pp
     if world != cp * pp:
         raise ConfigError(f"parallel: cp={cp} x pp={pp} needs {cp * pp} processes, the group has {world}")
@@ -121,7 +123,7 @@ def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGr
                 group.cp_group = g
     for c in range(cp):
         column = [s * cp + c for s in range(pp)]
-        pipe, taps = dist.new_group(column), dist.new_group(column)
+        pipe, taps = pipeline_groups(column)
         if c == group.cp_rank:
             group.pipe_group, group.tap_group = pipe, taps
     return group
