@@ -156,8 +156,8 @@ def cmd_report(args) -> int:
 def measure_speculation(cfg: RunConfig, policy, draft, *, num_prompts: int = 64, seed: int = 4321):
     """Speculative generation of held-out task prompts at the config's sampling and gamma:
     (result, plain result) on the same prompts, for a quick look at tau and speedup."""
-    from cospec.rl.tasks import TaskSuite
-    from cospec.rl.tokenizer import CharTokenizer
+    from cospec.data.tasks import TaskSuite
+    from cospec.data.tokenizer import CharTokenizer
     from cospec.rollout.engine import GenerationEngine
     from cospec.rollout.speculative import SpeculativeEngine
 

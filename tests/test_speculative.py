@@ -18,7 +18,7 @@ from cospec.config import ModelConfig, SamplingConfig
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
-from cospec.rl.tokenizer import BOS, EOS
+from cospec.data.tokenizer import BOS, EOS
 from cospec.rollout.adaptive import AdaptiveGamma, CostModel, expected_tokens
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.sampling import sampling_logprobs_NV, warp_logits

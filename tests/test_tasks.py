@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cospec.config import TaskConfig
-from cospec.rl.tasks import FAMILIES, Example, Perm, TaskSuite, encode_prompt, encode_sft
-from cospec.rl.tokenizer import ALPHABET, BOS, EOS, UNK, CharTokenizer
+from cospec.data.tasks import FAMILIES, Example, Perm, TaskSuite, encode_prompt, encode_sft
+from cospec.data.tokenizer import ALPHABET, BOS, EOS, UNK, CharTokenizer
 
 SUITE = TaskSuite(TaskConfig())
 TOK = CharTokenizer()

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from cospec.config import SamplingConfig
-from cospec.rl.tokenizer import BOS
+from cospec.data.tokenizer import BOS
 from cospec.rollout.engine import GenerationEngine
 
 

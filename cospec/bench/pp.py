@@ -47,8 +47,8 @@ from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
                                       build_stage, pipeline_groups, split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel, tap_owners
-from cospec.rl.tokenizer import BOS, EOS
-from cospec.sft import pack_examples
+from cospec.data.tokenizer import BOS, EOS
+from cospec.data.packing import pack_examples
 
 METHODS = ("no_tap", "tap_channel", "blocking")
 

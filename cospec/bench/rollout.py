@@ -32,8 +32,8 @@ import time
 import torch
 
 from cospec.config import RunConfig, SamplingConfig
-from cospec.rl.tasks import Copy, TaskSuite, encode_prompt
-from cospec.rl.tokenizer import EOS, PAD, CharTokenizer
+from cospec.data.tasks import Copy, TaskSuite, encode_prompt
+from cospec.data.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine

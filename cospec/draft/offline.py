@@ -24,10 +24,11 @@ from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.metrics.progress import progress_bar
 from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
-from cospec.rl.tasks import TaskSuite
-from cospec.rl.tokenizer import CharTokenizer
+from cospec.data.tasks import TaskSuite
+from cospec.data.tokenizer import CharTokenizer
 from cospec.rollout.engine import GenerationEngine
-from cospec.sft import lr_at, pack_examples
+from cospec.data.packing import pack_examples
+from cospec.lr_schedule import lr_at
 
 
 def build_draft(cfg: RunConfig, policy: Transformer) -> Eagle3Draft | Transformer:

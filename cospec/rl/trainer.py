@@ -35,8 +35,8 @@ from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
-from cospec.rl.tasks import Example, TaskSuite
-from cospec.rl.tokenizer import CharTokenizer, check_vocab
+from cospec.data.tasks import Example, TaskSuite
+from cospec.data.tokenizer import CharTokenizer, check_vocab
 from cospec.rl.weight_sync import InProcessWeightSync
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine

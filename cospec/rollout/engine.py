@@ -44,7 +44,7 @@ from torch import Tensor
 
 from cospec.config import SamplingConfig
 from cospec.metrics.progress import progress_bar
-from cospec.rl.tokenizer import EOS, PAD
+from cospec.data.tokenizer import EOS, PAD
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import sample_tokens
 

@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from cospec.config import SamplingConfig
-from cospec.rl.tokenizer import EOS
+from cospec.data.tokenizer import EOS
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,

@@ -38,7 +38,7 @@ import string
 from dataclasses import dataclass, field
 
 from cospec.config import TaskConfig
-from cospec.rl.tokenizer import CharTokenizer
+from cospec.data.tokenizer import CharTokenizer
 
 
 @dataclass(frozen=True)

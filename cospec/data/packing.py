@@ -1,0 +1,42 @@
+"""Sequence packing: several examples concatenated into one row, attention kept within each.
+
+Packing spends no compute on padding; `cu_seqlens` (cumulative sequence lengths, as flash-attention
+names them) tells the model where each example starts, so positions restart and attention never
+crosses a boundary (`cospec.models.attention.AttentionLayout`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class PackedBatch:
+    """One packed row of several examples.
+
+    tokens: [1, T] inputs; targets: [1, T] next tokens; loss_mask: [1, T] 1.0 where the target is an
+    answer/EOS token; cu_seqlens: [N+1]. Targets never cross a boundary: each example contributes
+    its ids[:-1] as inputs and ids[1:] as targets.
+    Example: examples of ids [1,5,6,2] (mask 0,0,1,1) and [1,7,2] (mask 0,0,1) pack to
+    tokens [1,5,6, 1,7], targets [5,6,2, 7,2], loss_mask [0,1,1, 0,1], cu_seqlens [0,3,5].
+    """
+
+    tokens: Tensor
+    targets: Tensor
+    loss_mask: Tensor
+    cu_seqlens: Tensor
+
+
+def pack_examples(encoded: list[tuple[list[int], list[int]]]) -> PackedBatch:
+    inputs, targets, mask, cu = [], [], [], [0]
+    for ids, m in encoded:
+        inputs += ids[:-1]
+        targets += ids[1:]
+        mask += m[1:]
+        cu.append(len(inputs))
+    return PackedBatch(tokens=torch.tensor([inputs]), targets=torch.tensor([targets]),
+                       loss_mask=torch.tensor([mask], dtype=torch.float32),
+                       cu_seqlens=torch.tensor(cu))
