@@ -18,14 +18,8 @@ import torch
 
 from cospec import config as config_mod
 from cospec.config import ConfigError, RunConfig
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"device: {name!r} requested but CUDA is not available")
-    return torch.device(name)
+from cospec.data.prompts import TaskData
+from cospec.starting_policy import load_or_train_sft, load_policy, pick_device
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -35,7 +29,14 @@ def _config_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(args) -> RunConfig:
-    return config_mod.resolve(args.recipe, args.config_file, args.overrides)
+    """Recipe, file, overrides; then a checkpoint's architecture where model.path names one."""
+    from cospec.models.loading import with_checkpoint_model
+
+    cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
+    try:
+        return with_checkpoint_model(cfg)
+    except ValueError as e:  # a missing package or file, an unsupported architecture
+        raise ConfigError(str(e)) from e
 
 
 def cmd_config(args) -> int:
@@ -45,38 +46,6 @@ def cmd_config(args) -> int:
         for name, default, doc in config_mod.describe():
             print(f"{name:32s} {default:>24s}  {doc}")
     return 0
-
-
-def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = False):
-    """Reuse out_dir/sft when its model config (and sft.label_noise) match, else train and save it.
-    Returns (model, metrics)."""
-    from cospec.models.hf_checkpoint import load_hf
-    from cospec.sft import save_sft, train_sft
-
-    out = Path(cfg.out_dir)
-    ckpt, metrics_path = out / "sft", out / "sft_metrics.json"
-    if not force and ckpt.exists() and metrics_path.exists():
-        model = load_hf(ckpt, device=device)
-        saved = out / "config.json"
-        noise = (json.loads(saved.read_text()).get("sft", {}).get("label_noise", 0.0)
-                 if saved.exists() else 0.0)
-        if model.config == cfg.model and noise == cfg.sft.label_noise:
-            print(f"reusing SFT checkpoint {ckpt}")
-            return model.eval(), json.loads(metrics_path.read_text())
-        print(f"SFT checkpoint {ckpt} has a different model config or sft.label_noise: retraining")
-    model, metrics = train_sft(cfg, device=device)
-    save_sft(model, metrics, cfg, out)
-    print(f"saved SFT checkpoint to {ckpt}")
-    # A saved draft was trained on the previous SFT policy's samples and features: its config
-    # still fits, so `load_or_train_draft` would reuse it. Drop it.
-    from cospec.draft.offline import draft_dir
-
-    for kind in ("eagle3", "lm"):
-        stale = draft_dir(cfg, kind)
-        if stale.exists():
-            shutil.rmtree(stale)
-            print(f"removed {stale}: it was trained on the previous SFT policy")
-    return model, metrics
 
 
 def _print_accuracy(metrics: dict) -> None:
@@ -96,6 +65,9 @@ def _print_accuracy(metrics: dict) -> None:
 
 def cmd_sft(args) -> int:
     cfg = _resolve(args)
+    if cfg.model.path:
+        raise ConfigError(f"model.path={cfg.model.path}: cospec sft trains the embedded model on "
+                          f"the synthetic tasks; a pretrained checkpoint is used as it is")
     device = pick_device(cfg.device)
     _, metrics = load_or_train_sft(cfg, device, force=True)
     _print_accuracy(metrics)
@@ -117,9 +89,12 @@ def cmd_demo(args) -> int:
     if not any(o.startswith("grpo.steps=") for o in args.overrides):
         cfg = apply(cfg, {"grpo": {"steps": 20}})  # the demo's budget; override to run longer
     device = pick_device(cfg.device)
-    policy, metrics = load_or_train_sft(cfg, device)
-    _print_accuracy(metrics)
-    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    start = load_policy(cfg, device)
+    policy = start.policy
+    if start.sft_metrics is not None:
+        _print_accuracy(start.sft_metrics)
+    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
+                                   data=TaskData.from_config(cfg.task, start.tokenizer))
     result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES), policy=policy, draft=draft, show=False)
     out = Path(cfg.out_dir)
     bench = out / "rollout.json"
@@ -153,21 +128,20 @@ def cmd_report(args) -> int:
     return 0
 
 
-def measure_speculation(cfg: RunConfig, policy, draft, *, num_prompts: int = 64, seed: int = 4321):
+def measure_speculation(cfg: RunConfig, policy, draft, data: TaskData, *, num_prompts: int = 64,
+                        seed: int = 4321):
     """Speculative generation of held-out task prompts at the config's sampling and gamma:
     (result, plain result) on the same prompts, for a quick look at tau and speedup."""
-    from cospec.data.tasks import TaskSuite
-    from cospec.data.tokenizer import CharTokenizer
     from cospec.rollout.engine import GenerationEngine
     from cospec.rollout.speculative import SpeculativeEngine
 
-    suite, tok, rng = TaskSuite(cfg.task), CharTokenizer(), random.Random(seed)
-    prompts = [suite.encode_prompt(suite.sample(rng), tok) for _ in range(num_prompts)]
+    rng = random.Random(seed)
+    prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]
     device = next(policy.parameters()).device
-    B, s = cfg.sampling.batch_size, cfg.sampling
-    spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma).generate(
+    B, s, stops = cfg.sampling.batch_size, cfg.sampling, data.tokenizer.stop_ids
+    spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma, stop_ids=stops).generate(
         prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
-    plain = GenerationEngine(policy, batch_size=B).generate(
+    plain = GenerationEngine(policy, batch_size=B, stop_ids=stops).generate(
         prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
     return spec, plain
 
@@ -178,15 +152,16 @@ def cmd_draft_train(args) -> int:
 
     cfg = _resolve(args)
     device = pick_device(cfg.device)
-    policy, _ = load_or_train_sft(cfg, device)
-    draft, metrics = load_or_train_draft(cfg, policy, force=True)
+    start = load_policy(cfg, device)
+    policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
+    draft, metrics = load_or_train_draft(cfg, policy, force=True, data=data)
     print(f"draft ({cfg.draft.kind}): {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
           f"{metrics['num_tokens']} policy-sampled tokens, {cfg.draft.train_steps} steps in "
           f"{metrics['train_seconds']:.0f}s, final loss {metrics['final_loss']:.3f}")
     if "acceptance" in metrics["last_batch"]:
         acc = ", ".join(f"{a:.2f}" for a in metrics["last_batch"]["acceptance"])
         print(f"teacher-forced acceptance (1 - TV) by TTT step on the last batch: {acc}")
-    spec, plain = measure_speculation(cfg, policy, draft)
+    spec, plain = measure_speculation(cfg, policy, draft, data)
     st = spec.stats
     print(f"speculative sampling on 64 held-out prompts, gamma={cfg.rollout.gamma}, batch "
           f"{cfg.sampling.batch_size}: tau {st.accept_length:.2f}, acceptance by position "
@@ -259,19 +234,21 @@ def _train(cfg, args, group) -> int:
 
     def load_models():
         torch.manual_seed(cfg.grpo.seed)
-        policy, _ = load_or_train_sft(cfg, device)
-        draft = load_or_train_draft(cfg, policy)[0] if cfg.rollout.speculative else None
-        return policy, draft
+        start = load_policy(cfg, device)
+        data = TaskData.from_config(cfg.task, start.tokenizer)
+        draft = (load_or_train_draft(cfg, start.policy, data=data)[0]
+                 if cfg.rollout.speculative else None)
+        return start, draft
 
     if group is None:
-        policy, draft = load_models()
+        start, draft = load_models()
     else:  # rank 0 trains/saves the SFT policy and the draft if needed; the others then load them
         if lead:
-            policy, draft = load_models()
+            start, draft = load_models()
         dist.barrier()
         if not lead:
-            policy, draft = load_models()
-    trainer = GRPOTrainer(cfg, policy, draft=draft, group=group)
+            start, draft = load_models()
+    trainer = GRPOTrainer(cfg, start.policy, draft=draft, tokenizer=start.tokenizer, group=group)
     history = trainer.run(resume=args.resume, progress=lead)
     if not lead:
         return 0

@@ -57,7 +57,7 @@ def test_measured_acceptance_matches_the_overlap_of_p_and_q():
     policy = Transformer(cfg)
     policy.reset_parameters(std=0.4)
     draft = Eagle3Draft.from_policy(policy.eval())
-    engine = SpeculativeEngine(policy, draft, batch_size=64, gamma=1, eos_id=None)
+    engine = SpeculativeEngine(policy, draft, batch_size=64, gamma=1, stop_ids=None)
     result = engine.generate([[BOS, 4]] * 512, SamplingConfig(max_new_tokens=8),
                              generator=torch.Generator().manual_seed(0))
     st = result.stats

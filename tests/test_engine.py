@@ -120,21 +120,21 @@ def test_logprobs_equal_the_sampling_logprobs_of_a_full_forward(model, sampling)
 
 def test_eos_ends_a_row_and_is_kept(model):
     prompt = make_prompts([4], seed=4)[0]
-    free = GenerationEngine(model, batch_size=1, eos_id=None).generate([prompt], GREEDY).completions[0]
+    free = GenerationEngine(model, batch_size=1, stop_ids=None).generate([prompt], GREEDY).completions[0]
     eos = free.tokens[2]  # pretend the third greedy token is EOS
-    c = GenerationEngine(model, batch_size=1, eos_id=eos).generate([prompt], GREEDY).completions[0]
+    c = GenerationEngine(model, batch_size=1, stop_ids=(eos,)).generate([prompt], GREEDY).completions[0]
     assert (c.tokens, c.finish_reason) == (free.tokens[:free.tokens.index(eos) + 1], "eos")
 
 
 def test_max_new_tokens_ends_a_row_with_reason_length(model):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
-    result = GenerationEngine(model, batch_size=2, eos_id=None).generate(make_prompts([3, 7]), sampling)
+    result = GenerationEngine(model, batch_size=2, stop_ids=None).generate(make_prompts([3, 7]), sampling)
     assert [(len(c.tokens), c.finish_reason) for c in result.completions] == [(5, "length")] * 2
     assert result.num_forwards == 1 + 4  # one prefill for both rows, then four decode steps
 
 
 def test_a_full_cache_ends_a_row_with_reason_length(model):
-    engine = GenerationEngine(model, batch_size=2, max_seq_len=16, eos_id=None)
+    engine = GenerationEngine(model, batch_size=2, max_seq_len=16, stop_ids=None)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=64)
     result = engine.generate(make_prompts([10, 15]), sampling)
     assert [(len(c.tokens), c.finish_reason) for c in result.completions] == [(6, "length"), (1, "length")]

@@ -118,7 +118,7 @@ def test_plain_and_speculative_rl_rollouts_agree(tmp_path, mode):
     (p > 1e-3), and whose trainer-vs-rollout logprob mismatch is ~0 (fp32 noise). With co-training
     the draft changes every step (and only the draft: its loss never reaches the policy)."""
     plain, spec = trainers_plain_and_speculative(tmp_path, f"draft.mode={mode}")
-    prompts = [plain.suite.encode_prompt(plain.suite.sample(plain.prompt_rng), plain.tok)
+    prompts = [plain.data.prompt_ids(plain.data.source.sample(plain.prompt_rng))
                for _ in range(24)]
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=20)
     a = plain.engine.generate(prompts, greedy).completions

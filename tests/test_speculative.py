@@ -126,7 +126,7 @@ def trained_tiny_draft(policy):
     above a random draft's), so both the accept and the reject paths carry real mass."""
     torch.manual_seed(2)
     draft = Eagle3Draft.from_policy(policy)
-    samples = GenerationEngine(policy, batch_size=32, eos_id=None).generate(
+    samples = GenerationEngine(policy, batch_size=32, stop_ids=None).generate(
         [[BOS, 4]] * 32, SamplingConfig(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
     seqs = [c.prompt + c.tokens for c in samples.completions]
     tokens = torch.tensor([t for s in seqs for t in s[:-1]])

@@ -35,7 +35,7 @@ def run(model, batch_sizes=(1, 16, 64), *, num_prompts: int | None = None, promp
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)
     rows = []
     for batch_size in batch_sizes:
-        engine = GenerationEngine(model, batch_size=batch_size, eos_id=None)
+        engine = GenerationEngine(model, batch_size=batch_size, stop_ids=None)
         prompts = random_prompts(num_prompts or batch_size, prompt_len, model.config.vocab_size, seed)
         gen = torch.Generator(device=device).manual_seed(seed)
         engine.generate(prompts[:batch_size], SamplingConfig(temperature=temperature, max_new_tokens=4),
@@ -71,7 +71,7 @@ def run_cli(cfg, *, batch_sizes, json_path: str | None = None) -> list[dict]:
     import json
     import platform
 
-    from cospec.cli import pick_device
+    from cospec.starting_policy import pick_device
     from cospec.models.llama import Transformer
 
     torch.manual_seed(0)

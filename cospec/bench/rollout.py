@@ -161,7 +161,7 @@ def format_table(rows: list[dict]) -> str:
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
             hf: bool = True, workload: str = "tasks") -> dict:
     """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
-    from cospec.cli import load_or_train_sft, pick_device
+    from cospec.starting_policy import load_or_train_sft, pick_device
     from cospec.config import apply
     from cospec.draft.offline import draft_dir, load_or_train_draft
 

@@ -170,6 +170,7 @@ class TaskSuite:
                              f"(known: {', '.join(FAMILIES)})")
         self.families: list[TaskFamily] = [FAMILIES[f]() for f in cfg.families]
         self._by_name = {f.name: f for f in self.families}
+        self.family_names = tuple(self._by_name)
         self.weights = list(cfg.weights) or [1.0] * len(self.families)
 
     def _family(self, name: str) -> TaskFamily:

@@ -24,11 +24,10 @@ from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.metrics.progress import progress_bar
 from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
-from cospec.data.tasks import TaskSuite
-from cospec.data.tokenizer import CharTokenizer
-from cospec.rollout.engine import GenerationEngine
 from cospec.data.packing import pack_examples
+from cospec.data.prompts import TaskData
 from cospec.lr_schedule import lr_at
+from cospec.rollout.engine import GenerationEngine
 
 
 def build_draft(cfg: RunConfig, policy: Transformer) -> Eagle3Draft | Transformer:
@@ -48,17 +47,27 @@ def build_draft(cfg: RunConfig, policy: Transformer) -> Eagle3Draft | Transforme
     return lm.to(device=p.device, dtype=p.dtype)
 
 
-def sample_policy_data(cfg: RunConfig, policy: Transformer, *, progress: bool = True) -> list[TTTBatch]:
+def task_data(cfg: RunConfig, data: TaskData | None) -> TaskData:
+    """`data`, or the run's prompts through the policy's own tokenizer."""
+    if data is not None:
+        return data
+    from cospec.models.loading import load_tokenizer
+
+    return TaskData.from_config(cfg.task, load_tokenizer(cfg.model))
+
+
+def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | None = None,
+                       progress: bool = True) -> list[TTTBatch]:
     """Steps 1-2: policy samples, packed into batches of ~draft.tokens_per_batch tokens."""
-    d, tok = cfg.draft, CharTokenizer()
-    suite = TaskSuite(cfg.task)
+    d, data = cfg.draft, task_data(cfg, data)
     rng = random.Random(d.seed + 777)  # a prompt stream of its own
-    examples = [suite.sample(rng) for _ in range(d.num_train_prompts)]
-    prompts = [suite.encode_prompt(e, tok) for e in examples]
+    examples = [data.source.sample(rng) for _ in range(d.num_train_prompts)]
+    prompts = [data.prompt_ids(e) for e in examples]
     device = next(policy.parameters()).device
     sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                               top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens)
-    engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size)
+    engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size,
+                              stop_ids=data.tokenizer.stop_ids)
     gen = torch.Generator(device=device).manual_seed(d.seed)
     result = engine.generate(prompts, sampling, generator=gen, progress=progress)
     encoded = [(c.prompt + c.tokens, [0] * len(c.prompt) + [1] * len(c.tokens))
@@ -90,14 +99,15 @@ def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple
     return loss, {"ce": [loss.item()]}
 
 
-def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *,
+def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data: TaskData | None = None,
                         progress: bool = True) -> tuple[Eagle3Draft | Transformer, dict]:
-    """Steps 1-3; returns the trained draft and metrics (loss history, per-step acceptance)."""
+    """Steps 1-3; returns the trained draft and metrics (loss history, per-step acceptance).
+    data: the prompts and tokenizer (default: the run's, `task_data`)."""
     d = cfg.draft
     policy.eval()
     draft = draft if draft is not None else build_draft(cfg, policy)
     t0 = time.perf_counter()
-    batches = sample_policy_data(cfg, policy, progress=progress)
+    batches = sample_policy_data(cfg, policy, data=data, progress=progress)
     data_seconds = time.perf_counter() - t0
     opt = torch.optim.AdamW(draft.parameters(), lr=d.lr, betas=(0.9, 0.95), weight_decay=0.0)
     order = random.Random(d.seed)
@@ -138,7 +148,7 @@ def draft_dir(cfg: RunConfig, kind: str | None = None):
 
 
 def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = False,
-                        progress: bool = True):
+                        data: TaskData | None = None, progress: bool = True):
     """Reuse the saved draft of ``draft.kind`` when it fits the policy, else train and save one.
     Returns (draft, metrics or None when reused)."""
     from cospec.models.draft_checkpoint import load_draft, save_draft
@@ -151,7 +161,7 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
             print(f"reusing draft {path}")
             return draft.eval(), None
         print(f"draft {path} was made for another policy or draft config: retraining")
-    draft, metrics = train_draft_offline(cfg, policy, progress=progress)
+    draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress)
     save_draft(draft, path)
     print(f"saved draft to {path}")
     return draft, metrics

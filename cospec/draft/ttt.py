@@ -153,7 +153,7 @@ def ttt_unroll(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor,
     branch_k, branch_v, logits = [], [], []
     for j in range(steps.tokens_JT.shape[0]):  # 0-based: step j + 1 of the paper
         emb = draft.embed_tokens(steps.tokens_JT[j])[None]
-        cos, sin = rope_cos_sin((steps.positions_T + j)[None], cfg.head_dim, cfg.rope_theta)
+        cos, sin = rope_cos_sin((steps.positions_T + j)[None], cfg)
         q, k, v = layer.qkv(emb, hidden[None], cos.to(emb.dtype), sin.to(emb.dtype))
         if j == 0:
             trunk_k, trunk_v = k[0], v[0]

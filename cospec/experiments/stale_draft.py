@@ -120,7 +120,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
             draft=None, show: bool = True) -> dict:
     """Run the modes (making or reusing the SFT policy and the offline draft unless given)."""
-    from cospec.cli import load_or_train_sft, pick_device
+    from cospec.starting_policy import load_or_train_sft, pick_device
     from cospec.draft.offline import load_or_train_draft
 
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")

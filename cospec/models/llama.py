@@ -18,6 +18,7 @@ and layers live in a ``ModuleDict`` keyed by their global index, so a pipeline s
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -43,10 +44,33 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(positions_BT: Tensor, head_dim: int, theta: float) -> tuple[Tensor, Tensor]:
+def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:
+    """[D/2] RoPE angular frequencies theta^(-2i/D) in fp32, rescaled when cfg.rope_scaling="llama3".
+
+    Llama 3.1's scaling (the rope_type "llama3" of HF checkpoints) stretches long wavelengths so a
+    model pretrained at original_max_len works at longer contexts. Per frequency f, wavelength
+    w = 2 pi / f, with w_low = original_max_len / low_freq_factor and w_high = original_max_len /
+    high_freq_factor:
+    1. w < w_high (high frequencies, local detail): f is kept;
+    2. w > w_low (low frequencies): f / factor;
+    3. between: smooth = (original_max_len / w - low_freq_factor) / (high - low_freq_factor), and
+       f' = (1 - smooth) f / factor + smooth f, which meets steps 1 and 2 at the two edges.
+    """
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, device=device,
+                                                     dtype=torch.float32) / d))
+    if cfg.rope_scaling == "none":
+        return inv_freq
+    factor, low, high = cfg.rope_scaling_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((cfg.rope_original_max_len / wavelen - low) / (high - low)).clamp(0, 1)
+    # clamp(0, 1) is steps 1 and 2: smooth >= 1 exactly when w <= w_high, <= 0 when w >= w_low.
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+def rope_cos_sin(positions_BT: Tensor, cfg: ModelConfig) -> tuple[Tensor, Tensor]:
     """cos/sin [B, 1, T, D] for rotary embedding (Su et al. 2104.09864), HF's half-split layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=positions_BT.device,
-                                             dtype=torch.float32) / head_dim))
+    inv_freq = rope_inv_freq(cfg, positions_BT.device)
     freqs = positions_BT.float()[..., None] * inv_freq  # [B, T, D/2]
     emb = torch.cat([freqs, freqs], dim=-1)[:, None]  # [B, 1, T, D]
     return emb.cos(), emb.sin()
@@ -179,7 +203,7 @@ def forward_context(cfg: ModelConfig, x_BTC: Tensor, *, cu_seqlens: Tensor | Non
             raise ValueError(f"sequence of {longest} tokens exceeds model.max_seq_len={cfg.max_seq_len}")
     ctx = ForwardContext(layout=layout, attn_fn=attn_fn, kv_cache=kv_cache, cache_rows=cache_rows,
                          cache_used=used)
-    cos, sin = rope_cos_sin(positions_BT, cfg.head_dim, cfg.rope_theta)
+    cos, sin = rope_cos_sin(positions_BT, cfg)
     return ctx, cos.to(x_BTC.dtype), sin.to(x_BTC.dtype)
 
 
@@ -195,6 +219,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, i) for i in ids})
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if has_head else None
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False) if has_head else None
+        # Ids past this are never sampled (an embedding padded beyond the tokenizer's vocabulary,
+        # as Qwen2's 151936 rows for 151665 tokens): their logits are pushed to MASKED_LOGIT.
+        self.sampled_vocab_size: int | None = None
         self.reset_parameters()
         if cfg.tie_embeddings and has_embedding and has_head:
             self.lm_head.weight = self.embed_tokens.weight
@@ -241,4 +268,18 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(x.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
         logits = self.lm_head(self.norm(x)) if self.lm_head is not None else None
+        if logits is not None and self.sampled_vocab_size is not None \
+                and self.sampled_vocab_size < logits.shape[-1]:
+            logits = mask_vocab_tail(logits, self.sampled_vocab_size)
         return ModelOutput(logits=logits, hidden=x, taps=taps)
+
+
+# Finite, so that 0 * logprob stays 0 in entropies and KLs (-inf would give NaN), and far enough
+# below any real logit that softmax gives exactly 0 even after dividing by a small temperature.
+MASKED_LOGIT = -1e9
+
+
+def mask_vocab_tail(logits: Tensor, keep: int) -> Tensor:
+    """logits with every id >= keep set to MASKED_LOGIT (out of place: autograd-safe)."""
+    ids = torch.arange(logits.shape[-1], device=logits.device)
+    return logits.masked_fill(ids >= keep, MASKED_LOGIT)

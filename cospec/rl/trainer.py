@@ -35,8 +35,9 @@ from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
-from cospec.data.tasks import Example, TaskSuite
-from cospec.data.tokenizer import CharTokenizer, check_vocab
+from cospec.data.prompts import TaskData
+from cospec.data.tasks import Example
+from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.rl.weight_sync import InProcessWeightSync
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
@@ -72,10 +73,16 @@ class GRPOTrainer:
     `cospec.parallel.train_group` for who does what). Every rank constructs it with the full
     policy and draft; under pp each keeps its stage."""
 
-    def __init__(self, cfg: RunConfig, policy, *, draft=None, out_dir=None, tensorboard: bool = True,
-                 group=None):
+    def __init__(self, cfg: RunConfig, policy, *, draft=None, tokenizer: Tokenizer | None = None,
+                 out_dir=None, tensorboard: bool = True, group=None):
+        """tokenizer: the policy's (default: `load_tokenizer(cfg.model)`, the character tokenizer
+        for the embedded model); prompts come from ``task.source`` through it (`TaskData`)."""
+        from cospec.models.loading import load_tokenizer
+
         check_rl_config(cfg)
-        check_vocab(cfg.model.vocab_size, CharTokenizer())
+        tokenizer = tokenizer or load_tokenizer(cfg.model)
+        check_vocab(policy.config.vocab_size, tokenizer)
+        self.data = TaskData.from_config(cfg.task, tokenizer)
         self.cfg, self.g, self.group = cfg, cfg.grpo, group
         self.out_dir = out_dir or f"{cfg.out_dir}/rl"
         self.device = next(policy.parameters()).device
@@ -95,7 +102,6 @@ class GRPOTrainer:
         self.draft_loss, self.reduce_draft_grads = ttt_loss, None
         self._draft_data: list[TTTBatch] = []
         self._build_policy_step(policy)
-        self.suite, self.tok = TaskSuite(cfg.task), CharTokenizer()
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
         self.engine = self._make_engine() if self.is_rollout_rank else None
         self.step = 0
@@ -155,22 +161,24 @@ class GRPOTrainer:
 
     def _make_engine(self):
         r, batch = self.cfg.rollout, self.cfg.sampling.batch_size
+        stop_ids = self.data.tokenizer.stop_ids
         if not r.speculative:
-            return GenerationEngine(self.rollout_policy, batch_size=batch)
+            return GenerationEngine(self.rollout_policy, batch_size=batch, stop_ids=stop_ids)
         if self.draft is None:
             raise ConfigError("rollout.speculative: needs a draft (cospec draft-train makes one)")
         return SpeculativeEngine(self.rollout_policy, self.rollout_draft, batch_size=batch, gamma=r.gamma,
-                                 adaptive=r.adaptive, probe_every=r.probe_every)
+                                 adaptive=r.adaptive, probe_every=r.probe_every, stop_ids=stop_ids)
 
     # ------------------------------------------------------------------------- the named steps
 
     def generate(self) -> RolloutBatch:
         """Sample prompts_per_step prompts, answer each group_size times."""
-        examples = []
+        examples, prompts = [], []
         for _ in range(self.g.prompts_per_step):
-            ex = self.suite.sample(self.prompt_rng)
+            ex = self.data.source.sample(self.prompt_rng)
+            ids = self.data.prompt_ids(ex)  # rendered once per group (a chat template is not free)
             examples += [ex] * self.g.group_size
-        prompts = [self.suite.encode_prompt(e, self.tok) for e in examples]
+            prompts += [ids] * self.g.group_size
         s = self.cfg.sampling
         sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(self.g.seed * 1_000_003 + self.step)
@@ -185,7 +193,7 @@ class GRPOTrainer:
             if self.g.require_eos and c.finish_reason != "eos":
                 rewards.append(0.0)
             else:
-                rewards.append(self.suite.reward(ex, self.tok.decode(c.tokens)))
+                rewards.append(self.data.reward(ex, c.tokens))
         batch.rewards = torch.tensor(rewards)
 
     def compute_advantages(self, batch: RolloutBatch) -> None:
@@ -222,7 +230,8 @@ class GRPOTrainer:
         if not self.owns_draft:  # pp: the draft trains on the last stage
             return {}
         if d.mode == "oracle" and (self.step + 1) % d.oracle_every == 0:
-            _, m = train_draft_offline(self.cfg, self.policy.eval(), draft=self.draft, progress=False)
+            _, m = train_draft_offline(self.cfg, self.policy.eval(), draft=self.draft, data=self.data,
+                                       progress=False)
             self.policy.train()
             return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
         if not self._draft_data:
@@ -259,9 +268,9 @@ class GRPOTrainer:
         sampled at the rollout temperature with a fixed generator: a paired measure across steps
         and runs, unlike the per-step training reward, whose prompts change every step."""
         rng = random.Random(999_331)
-        examples = [self.suite.sample(rng) for _ in range(self.g.eval_prompts)]
+        examples = [self.data.source.sample(rng) for _ in range(self.g.eval_prompts)]
         s = self.cfg.sampling
-        result = self.engine.generate([self.suite.encode_prompt(e, self.tok) for e in examples],
+        result = self.engine.generate([self.data.prompt_ids(e) for e in examples],
                                       SamplingConfig(temperature=s.temperature,
                                                      max_new_tokens=s.max_new_tokens),
                                       generator=torch.Generator(device=self.device).manual_seed(4242))

@@ -37,7 +37,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Collection, Literal
 
 import torch
 from torch import Tensor
@@ -123,17 +123,17 @@ def decode_step(model, cache: KVCache, last_tokens_N: Tensor, rows_N: Tensor | N
 
 
 def append_until_finished(row: Completion, tokens: list[int], logprobs: list[float], *,
-                          max_new_tokens: int, capacity: int, eos_id: int | None) -> bool:
+                          max_new_tokens: int, capacity: int, stop_ids: Collection[int]) -> bool:
     """Append tokens to the row one by one until it finishes; True when it has finished.
 
-    A row finishes on EOS (reason "eos", the EOS is kept), at max_new_tokens, or when prompt plus
+    A row finishes on a stop id (reason "eos", the stop token is kept), at max_new_tokens, or when prompt plus
     response fill the cache capacity (reason "length"; the sequence never exceeds the capacity, so the
     trainer can score it in one forward). Tokens after the finishing one are dropped.
     """
     for tok, lp in zip(tokens, logprobs):
         row.tokens.append(tok)
         row.logprobs.append(lp)
-        if eos_id is not None and tok == eos_id:
+        if tok in stop_ids:
             row.finish_reason = "eos"
         elif len(row.tokens) >= max_new_tokens or len(row.prompt) + len(row.tokens) >= capacity:
             row.finish_reason = "length"
@@ -148,8 +148,9 @@ class GenerationEngine:
     """Continuous-batching generation over a static KV cache of ``batch_size`` rows.
 
     max_seq_len: cache capacity in tokens (prompt + response), at most model.max_seq_len (default).
-    eos_id: token that ends a response; None disables EOS (lengths then depend only on
-        max_new_tokens and the capacity, as a benchmark wants).
+    stop_ids: the ids that end a response (a tokenizer's ``stop_ids``: EOS, a chat template's
+        end-of-turn); default the character tokenizer's EOS; None or () disables stopping (lengths
+        then depend only on max_new_tokens and the capacity, as a benchmark wants).
     The engine's batch_size is the cache's; ``SamplingConfig.batch_size`` is for whoever builds
     the engine and is not read here.
     spare_slots: cache slots beyond the capacity, for forwards that write tokens a step may roll
@@ -157,7 +158,7 @@ class GenerationEngine:
     """
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int | None = None,
-                 eos_id: int | None = EOS, spare_slots: int = 0):
+                 stop_ids: Collection[int] | None = (EOS,), spare_slots: int = 0):
         model_len = model.config.max_seq_len
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -165,7 +166,7 @@ class GenerationEngine:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [2, model.max_seq_len={model_len}]")
         self.model = model
         self.batch_size = batch_size
-        self.eos_id = eos_id
+        self.stop_ids = frozenset(stop_ids or ())
         self.max_seq_len = max_seq_len or model_len
         self.cache = KVCache.for_model(model, batch_size, self.max_seq_len + spare_slots)
 
@@ -218,7 +219,7 @@ class GenerationEngine:
             for slot, tok, lp in zip(rows, ids_N.tolist(), logprobs_N.tolist()):
                 row = slots[slot]
                 if append_until_finished(row, [tok], [lp], max_new_tokens=sampling.max_new_tokens,
-                                         capacity=self.capacity, eos_id=self.eos_id):
+                                         capacity=self.capacity, stop_ids=self.stop_ids):
                     done[row.index], slots[slot] = row, None
                     on_finish()
 

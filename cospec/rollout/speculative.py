@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Collection
 
 import torch
 from torch import Tensor
@@ -106,12 +107,12 @@ class SpeculativeEngine(GenerationEngine):
     """
 
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
-                 max_seq_len: int | None = None, eos_id: int | None = EOS,
+                 max_seq_len: int | None = None, stop_ids: Collection[int] | None = (EOS,),
                  controller: AdaptiveGamma | None = None, probe_every: int = 16):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
         # Spare slots: room for the G+1 tokens a verify writes past the committed length.
-        super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, eos_id=eos_id,
+        super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, stop_ids=stop_ids,
                          spare_slots=gamma)
         self.drafter = make_drafter(draft, model.config)
         self.gamma = gamma
@@ -329,7 +330,7 @@ class SpeculativeEngine(GenerationEngine):
         for s, toks, lps in zip(slots, tokens, logprobs):
             row = self.slots[s]
             if append_until_finished(row, toks, lps, max_new_tokens=sampling.max_new_tokens,
-                                     capacity=self.capacity, eos_id=self.eos_id):
+                                     capacity=self.capacity, stop_ids=self.stop_ids):
                 done[row.index], self.slots[s] = row, None
                 on_finish()
 
