@@ -9,9 +9,9 @@ sampling.max_new_tokens tokens, random old logprobs and advantages; R = prompts_
 group_size) and the same initial weights, so the rows differ only in how the step is laid out:
 - single: one process, one thread; single@T: one process on T threads (T = the cores the
   parallel rows use: the fair comparison on a shared machine);
-- cp=N: N ranks, every minibatch zigzag-sharded, ring attention (`cospec.parallel.cp_step`);
+- cp=N: N ranks, every minibatch zigzag-sharded, ring attention (`cospec.rl.cp_step`);
 - pp=N: N stages, parallel.microbatches microbatches, TapChannel-fed co-training on the last stage
-  (`cospec.parallel.pp_step`).
+  (`cospec.rl.pp_step`).
 Each layout runs in fresh spawned processes with one thread per rank; a barrier precedes every step,
 the first step is a warm-up, and the row reports rank 0's median over the others (rank 0 finishes a
 step only after the collectives that end it, so that is the step's time). What a row means: on a

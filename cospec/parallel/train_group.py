@@ -10,9 +10,9 @@ World = cp x pp processes, rank = stage * cp + cp_rank. Roles:
   rollouts reach the other ranks by one broadcast per step. (A real deployment puts the engine on
   its own devices; the `WeightSync` seam is where it plugs in.)
 - cp: every rank holds a replica of the policy, the reference and the draft and trains on its
-  zigzag shard of every minibatch (`cospec.parallel.cp_step`).
+  zigzag shard of every minibatch (`cospec.rl.cp_step`).
 - pp: rank s holds stage s of the policy and the reference; the draft lives on the last stage,
-  fed by TapChannel (`cospec.parallel.pp_step`).
+  fed by TapChannel (`cospec.rl.pp_step`).
 - pp x cp: every stage is held by cp ranks that shard each microbatch (zigzag, ring attention
   inside the stage's cp group); the pipeline and TapChannel run per cp column (cp rank c of every
   stage); the last stage's cp ranks co-train the draft on zigzag shards.

@@ -4,8 +4,8 @@
 
 The trainer (`cospec.rl.trainer`) calls a *policy step* once per minibatch:
 ``step(mb, tap_layers) -> (sums, grad_norm, captured)``. `LocalPolicyStep` below is the
-single-process one; the context-parallel (`cospec.parallel.cp_step`) and pipelined
-(`cospec.parallel.pp_step`) ones fill the same seam, so the trainer does not know which ran.
+single-process one; the context-parallel (`cospec.rl.cp_step`) and pipelined
+(`cospec.rl.pp_step`) ones fill the same seam, so the trainer does not know which ran.
 
 What makes the three agree is that the loss is *additive over any split of the tokens*:
 `minibatch_terms` divides by the minibatch's total response-token count, not by the count of the

@@ -116,7 +116,7 @@ class GRPOTrainer:
         pp = group.pp if group is not None else 1
         if pp > 1:
             from cospec.parallel.pipeline import build_stage, split_layers
-            from cospec.parallel.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
+            from cospec.rl.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
 
             layers = split_layers(cfg.model.num_layers, pp)
             stage = dict(layers=layers[group.stage], stage=group.stage, num_stages=pp)
@@ -143,13 +143,13 @@ class GRPOTrainer:
             self.draft_sync = (DraftWeightSync(self.rollout_draft, src=group.draft_rank)
                                if self.draft is not None else None)
             if group.cp > 1:  # the last stage's cp ranks co-train the draft on zigzag shards
-                from cospec.parallel.cp_step import ContextParallelDraftLoss
+                from cospec.rl.cp_step import ContextParallelDraftLoss
 
                 cp_loss = ContextParallelDraftLoss(group=group.cp_group)
                 self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
             return
         else:
-            from cospec.parallel.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
+            from cospec.rl.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
 
             self.policy_step = ContextParallelPolicyStep(self.policy, self.reference, self.optimizer,
                                                          group=None, **kwargs)

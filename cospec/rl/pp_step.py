@@ -134,7 +134,7 @@ class PipelinedPolicyStep:
         mbs = wholes = [m.to(device) for m in mb.split(self.num_microbatches)]  # split on the host
         layouts = None
         if self.cp_group is not None:  # every microbatch zigzag-sharded over the stage's cp ranks
-            from cospec.parallel.cp_step import shard_minibatch
+            from cospec.rl.cp_step import shard_minibatch
             from cospec.parallel.zigzag import ZigzagLayout
 
             layouts = [ZigzagLayout.build(m.cu_seqlens, self.cp) for m in mbs]
@@ -162,7 +162,7 @@ class PipelinedPolicyStep:
                                          policy_logits=logits_TV))
                 return
             # pp x cp: the shards back into the whole microbatch (the draft's TTT inputs cross
-            # chunk edges; `cospec.parallel.cp_step` explains the gather).
+            # chunk edges; `cospec.rl.cp_step` explains the gather).
             lay, whole = layouts[micro.index], wholes[micro.index]
             gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
             captured.append(TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens,
