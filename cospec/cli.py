@@ -120,6 +120,29 @@ def demo_summary(summary: dict) -> str:
     return "\n".join(lines)
 
 
+def cmd_eval(args) -> int:
+    """Accuracy and response lengths of the run's starting policy by prompt family, per temperature."""
+    from cospec.config import SamplingConfig
+    from cospec.evaluate import evaluate_policy, format_table
+
+    cfg = _resolve(args)
+    start = load_policy(cfg, pick_device(cfg.device))
+    data = TaskData.from_config(cfg.task, start.tokenizer)
+    temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
+             else [cfg.sampling.temperature])
+    results = {}
+    for t in temps:
+        sampling = SamplingConfig(temperature=t, max_new_tokens=cfg.sampling.max_new_tokens)
+        results[t] = evaluate_policy(start.policy, data, sampling,
+                                     prompts_per_family=args.prompts_per_type,
+                                     batch_size=cfg.sampling.batch_size, progress=True)
+    print(format_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": {str(t): r for t, r in results.items()},
+                                               "config": cfg.to_dict()}, indent=2))
+    return 0
+
+
 def cmd_report(args) -> int:
     from cospec.metrics.report import write_report
 
@@ -289,9 +312,9 @@ def cmd_bench(args) -> int:
                         json_path=args.json, hf=not args.no_hf, workload=args.workload)
         return 0
     if args.what == "generation":
-        cfg = _resolve(args)
-        rows = generation.run_cli(cfg, batch_sizes=[int(b) for b in (args.batch_sizes or "1,16,64").split(",")],
-                                  json_path=args.json)
+        sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
+        rows = generation.run_cli(_resolve(args), batch_sizes=[int(b) for b in sizes.split(",")],
+                                  repeats=1 if args.quick else 2, json_path=args.json)
         return 0 if rows else 1
     if args.what == "cp":
         from cospec.bench import cp
@@ -321,6 +344,12 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("sft", help="supervised fine-tuning of the policy on the task suite")
     _config_args(s)
     s.set_defaults(fn=cmd_sft)
+    ev = sub.add_parser("eval", help="accuracy and response lengths by prompt family and temperature")
+    ev.add_argument("--temperatures", help="comma-separated (default: sampling.temperature)")
+    ev.add_argument("--prompts-per-type", type=int, default=32, help="held-out prompts per family")
+    ev.add_argument("--json", help="also write the results as JSON to this path")
+    _config_args(ev)
+    ev.set_defaults(fn=cmd_eval)
     rp = sub.add_parser("report", help="HTML report (with PNGs) from runs' metrics.jsonl")
     rp.add_argument("run_dirs", nargs="+", help="directories holding metrics.jsonl (one per run)")
     rp.add_argument("--out", default="report", help="output directory (report.html + PNGs)")
@@ -348,8 +377,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.set_defaults(fn=cmd_experiment)
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument("what", choices=["generation", "rollout", "cp", "pp", "train-step"])
-    b.add_argument("--batch-sizes", help="comma-separated (generation: 1,16,64; rollout: 1,4,16,64)")
-    b.add_argument("--quick", action="store_true", help="rollout: fewer prompts and repeats; cp: short lengths")
+    b.add_argument("--batch-sizes", help="comma-separated (default 1,4,16,64)")
+    b.add_argument("--quick", action="store_true", help="generation/rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
                    help="rollout: the RL prompt mix, or its long tail (long copy answers)")

@@ -22,12 +22,12 @@ from torch import Tensor
 
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.packing import PackedBatch, pack_examples
-from cospec.metrics.progress import progress_bar
-from cospec.lr_schedule import lr_at
-from cospec.models.llama import Transformer
-from cospec.data.tasks import Example, TaskSuite
+from cospec.data.prompts import TaskData
+from cospec.data.tasks import TaskSuite
 from cospec.data.tokenizer import SPECIALS, CharTokenizer, check_vocab
-from cospec.rollout.engine import GenerationEngine
+from cospec.lr_schedule import lr_at
+from cospec.metrics.progress import progress_bar
+from cospec.models.llama import Transformer
 
 
 def add_label_noise(ids: list[int], mask: list[int], noise: float, rng: random.Random,
@@ -64,18 +64,15 @@ def sft_loss(model: Transformer, batch: PackedBatch) -> Tensor:
 
 def evaluate(model: Transformer, suite: TaskSuite, tok: CharTokenizer, *, prompts_per_family: int,
              max_new_tokens: int, batch_size: int, seed: int = 12345) -> dict[str, float]:
-    """Greedy accuracy per family on a held-out prompt stream (a seed the training stream never uses)."""
-    rng = random.Random(seed)
-    examples: list[Example] = [suite.sample_family(f.name, rng)
-                               for f in suite.families for _ in range(prompts_per_family)]
-    engine = GenerationEngine(model, batch_size=batch_size)
-    result = engine.generate([suite.encode_prompt(e, tok) for e in examples],
-                             SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens,
-                                            batch_size=batch_size))
-    per_family: dict[str, list[float]] = {}
-    for ex, c in zip(examples, result.completions):
-        per_family.setdefault(ex.family, []).append(suite.reward(ex, tok.decode(c.tokens)))
-    acc = {k: sum(v) / len(v) for k, v in per_family.items()}
+    """Greedy accuracy per family on a held-out prompt stream (a seed the training stream never
+    uses); a response cut at max_new_tokens is scored as it stands."""
+    from cospec.evaluate import evaluate_policy
+
+    res = evaluate_policy(model, TaskData(suite, tok, chat=False),
+                          SamplingConfig(temperature=0.0, max_new_tokens=max_new_tokens),
+                          prompts_per_family=prompts_per_family, batch_size=batch_size, seed=seed,
+                          require_stop=False)
+    acc = {k: v["accuracy"] for k, v in res["by_family"].items()}
     acc["mean"] = sum(acc.values()) / len(acc)
     return acc
 

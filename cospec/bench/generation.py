@@ -1,93 +1,160 @@
-"""Throughput of the plain generation engine: tokens per second at several batch sizes.
+"""Plain generation throughput: cospec's engine against HF transformers' `generate`, same model,
+same prompts, same sampling, runs interleaved.
 
-The workload is fixed-length so batch sizes compare like for like: random prompts of ``prompt_len``
-tokens (BOS + random ids), EOS disabled, every row decodes exactly ``max_new_tokens`` tokens.
-``num_prompts`` defaults to the batch size (one wave: no refills). Each batch size gets a short
-warm-up run first (allocator, kernels), then one timed run.
+    cospec bench generation [model.path=smollm2] [--batch-sizes 1,4,16,64] [--json PATH]
 
-    python -m cospec.bench.generation          # default ModelConfig, random weights
+The model is the run's: the checkpoint at ``model.path`` (HF directory or GGUF; transformers loads
+the same file for its side), or the embedded model's shape with random weights (speed does not
+depend on the weights; it is saved as an HF checkpoint in a temporary directory for transformers).
+The prompts are the run's task prompts (``task.source``, rendered by the tokenizer and its chat
+template), ``B`` of them per batch size B: one wave, no refills, so both sides do the same work.
+Stopping is disabled on both sides (cospec: no stop ids; HF: ``min_new_tokens``), so every row
+decodes exactly ``sampling.max_new_tokens`` tokens and tokens per second compare like for like.
+HF pads a batch on the left (its batched decoding needs it); cospec keeps per-row lengths.
+
+Each batch size gets a short warm-up per side, then ``repeats`` rounds of (cospec, HF); the
+medians of tokens/s are reported with their ratio (cospec / HF, > 1 means cospec is faster).
 """
 
 from __future__ import annotations
 
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
 import torch
 
-from cospec.config import SamplingConfig
-from cospec.data.tokenizer import BOS
+from cospec.config import RunConfig, SamplingConfig
+from cospec.data.prompts import TaskData
 from cospec.rollout.engine import GenerationEngine
 
 
-def random_prompts(num_prompts: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    body = torch.randint(4, vocab_size, (num_prompts, prompt_len - 1), generator=gen)
-    return [[BOS] + row for row in body.tolist()]
+def task_prompts(data: TaskData, n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [data.prompt_ids(data.source.sample(rng)) for _ in range(n)]
 
 
-def run(model, batch_sizes=(1, 16, 64), *, num_prompts: int | None = None, prompt_len: int = 20,
-        max_new_tokens: int = 64, temperature: float = 1.0, seed: int = 0,
-        show: bool = True) -> list[dict]:
-    """Time `GenerationEngine.generate` per batch size; one dict per batch size (and a table).
+def cospec_tok_s(engine: GenerationEngine, prompts, sampling: SamplingConfig, seed: int) -> float:
+    device = engine.cache.lengths_B.device
+    result = engine.generate(prompts, sampling,
+                             generator=torch.Generator(device=device).manual_seed(seed))
+    return result.tokens_per_second
 
-    Keys: batch_size, num_prompts, num_tokens, num_forwards, seconds, tokens_per_second,
-    ms_per_forward, speedup (tokens/s relative to the first batch size).
-    """
+
+def hf_tok_s(model, prompts, sampling: SamplingConfig, *, pad_id: int, seed: int) -> float:
+    """One batched `generate` over all prompts (left-padded), exactly max_new_tokens each."""
     device = next(model.parameters()).device
-    sampling = SamplingConfig(temperature=temperature, max_new_tokens=max_new_tokens)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    n = sampling.max_new_tokens
+    greedy = sampling.temperature == 0
+    kwargs = dict(do_sample=not greedy, max_new_tokens=n, min_new_tokens=n, pad_token_id=pad_id)
+    if not greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None,
+                      top_p=sampling.top_p)
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(ids.to(device), attention_mask=mask.to(device), **kwargs)
+    seconds = time.perf_counter() - t0
+    return (out.shape[1] - width) * len(prompts) / seconds
+
+
+def run(policy, hf_model, data: TaskData, batch_sizes, sampling: SamplingConfig, *,
+        repeats: int = 2, seed: int = 0, show: bool = True) -> list[dict]:
+    """Interleaved cospec / HF rounds per batch size; one row per batch size."""
     rows = []
-    for batch_size in batch_sizes:
-        engine = GenerationEngine(model, batch_size=batch_size, stop_ids=None)
-        prompts = random_prompts(num_prompts or batch_size, prompt_len, model.config.vocab_size, seed)
-        gen = torch.Generator(device=device).manual_seed(seed)
-        engine.generate(prompts[:batch_size], SamplingConfig(temperature=temperature, max_new_tokens=4),
-                        generator=gen)  # warm-up
-        result = engine.generate(prompts, sampling, generator=gen)
-        rows.append({
-            "batch_size": batch_size, "num_prompts": len(prompts), "num_tokens": result.num_tokens,
-            "num_forwards": result.num_forwards, "seconds": result.seconds,
-            "tokens_per_second": result.tokens_per_second,
-            "ms_per_forward": 1000 * result.seconds / result.num_forwards,
-        })
-    for r in rows:
-        r["speedup"] = r["tokens_per_second"] / rows[0]["tokens_per_second"]
-    if show:
-        print(format_table(rows))
+    warm = SamplingConfig(temperature=sampling.temperature, max_new_tokens=4)
+    for B in batch_sizes:
+        prompts = task_prompts(data, B, seed)
+        engine = GenerationEngine(policy, batch_size=B, stop_ids=None)
+        cospec_tok_s(engine, prompts, warm, seed)
+        hf_tok_s(hf_model, prompts, warm, pad_id=data.tokenizer.pad_id, seed=seed)
+        ours, theirs = [], []
+        for r in range(repeats):
+            ours.append(cospec_tok_s(engine, prompts, sampling, seed + r))
+            theirs.append(hf_tok_s(hf_model, prompts, sampling, pad_id=data.tokenizer.pad_id,
+                                   seed=seed + r))
+        row = {"batch_size": B, "num_prompts": B, "prompt_tokens_mean": sum(map(len, prompts)) / B,
+               "max_new_tokens": sampling.max_new_tokens, "cospec_tok_s": statistics.median(ours),
+               "hf_tok_s": statistics.median(theirs), "cospec_runs": ours, "hf_runs": theirs}
+        row["cospec_over_hf"] = row["cospec_tok_s"] / row["hf_tok_s"]
+        rows.append(row)
+        if show:
+            print(format_table(rows[-1:], header=len(rows) == 1), flush=True)
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    head = f"{'batch':>6} {'prompts':>8} {'tokens':>8} {'forwards':>9} {'seconds':>8} " \
-           f"{'tok/s':>9} {'ms/fwd':>8} {'vs first':>9}"
-    lines = [head, "-" * len(head)]
+def format_table(rows: list[dict], header: bool = True) -> str:
+    head = f"{'batch':>6} {'prompt toks':>11} {'new toks':>8} {'cospec tok/s':>12} {'HF tok/s':>9} {'cospec/HF':>9}"
+    lines = [head, "-" * len(head)] if header else []
     for r in rows:
-        lines.append(f"{r['batch_size']:>6} {r['num_prompts']:>8} {r['num_tokens']:>8} "
-                     f"{r['num_forwards']:>9} {r['seconds']:>8.2f} {r['tokens_per_second']:>9.1f} "
-                     f"{r['ms_per_forward']:>8.2f} {r['speedup']:>8.2f}x")
+        lines.append(f"{r['batch_size']:>6} {r['prompt_tokens_mean']:>11.1f} {r['max_new_tokens']:>8} "
+                     f"{r['cospec_tok_s']:>12.1f} {r['hf_tok_s']:>9.1f} {r['cospec_over_hf']:>8.2f}x")
     return "\n".join(lines)
 
 
-def run_cli(cfg, *, batch_sizes, json_path: str | None = None) -> list[dict]:
-    """`cospec bench generation`: the model of cfg.model with random weights (speed does not
-    depend on the weights), on cfg.device; rows also written to json_path when given."""
+def load_hf_model(cfg: RunConfig, policy, tmp: Path):
+    """transformers' own load of the run's model: the same file for a checkpoint, else the
+    random-weight policy saved as an HF checkpoint under `tmp`."""
+    from transformers import AutoModelForCausalLM
+
+    from cospec.data.model_files import resolve_model_path
+    from cospec.models.hf_checkpoint import save_hf
+    from cospec.models.loading import DTYPES
+
+    dtype = DTYPES[cfg.model.dtype]
+    if not cfg.model.path:
+        save_hf(policy, tmp / "policy")
+        return AutoModelForCausalLM.from_pretrained(tmp / "policy", dtype=dtype).eval()
+    path = resolve_model_path(cfg.model.path)
+    if path.suffix == ".gguf":
+        return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                    dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | None = None) -> list[dict]:
+    """`cospec bench generation`: rows also written to json_path when given."""
     import json
     import platform
 
-    from cospec.starting_policy import pick_device
     from cospec.models.llama import Transformer
+    from cospec.models.loading import DTYPES, load_pretrained, load_tokenizer
+    from cospec.starting_policy import pick_device
 
-    torch.manual_seed(0)
-    policy = Transformer(cfg.model).to(pick_device(cfg.device)).eval()
-    print(f"policy: {policy.num_params() / 1e6:.2f}M parameters, random weights, "
-          f"device={next(policy.parameters()).device}, threads={torch.get_num_threads()}")
-    rows = run(policy, batch_sizes, max_new_tokens=cfg.sampling.max_new_tokens)
+    device = pick_device(cfg.device)
+    tokenizer = load_tokenizer(cfg.model)
+    if cfg.model.path:
+        policy = load_pretrained(cfg.model, tokenizer, device=device)
+        what = f"{cfg.model.path} ({cfg.model.dtype})"
+    else:
+        torch.manual_seed(0)
+        policy = Transformer(cfg.model).to(device=device, dtype=DTYPES[cfg.model.dtype]).eval()
+        what = "the embedded model, random weights"
+    data = TaskData.from_config(cfg.task, tokenizer)
+    s = cfg.sampling
+    sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_model = load_hf_model(cfg, policy, Path(tmp)).to(device)
+        print(f"policy: {what}, {policy.num_params() / 1e6:.1f}M parameters, prompts from "
+              f"task.source={cfg.task.source}, temperature {s.temperature}, {s.max_new_tokens} new "
+              f"tokens per row, device={device}, threads={torch.get_num_threads()}")
+        rows = run(policy, hf_model, data, batch_sizes, sampling, repeats=repeats)
     if json_path:
-        meta = {"model": cfg.to_dict()["model"], "torch": torch.__version__,
-                "machine": platform.machine(), "threads": torch.get_num_threads()}
+        import transformers
+
+        meta = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"],
+                "sampling": cfg.to_dict()["sampling"], "torch": torch.__version__,
+                "transformers": transformers.__version__, "machine": platform.machine(),
+                "threads": torch.get_num_threads(), "repeats": repeats}
         with open(json_path, "w") as f:
             json.dump({"results": rows, "meta": meta}, f, indent=2)
     return rows
-
-
-if __name__ == "__main__":
-    from cospec.config import RunConfig
-
-    run_cli(RunConfig(), batch_sizes=(1, 16, 64))
