@@ -126,6 +126,35 @@ def test_eos_ends_a_row_and_is_kept(model):
     assert (c.tokens, c.finish_reason) == (free.tokens[:free.tokens.index(eos) + 1], "eos")
 
 
+def test_any_of_several_stop_ids_ends_a_row(model):
+    """A chat model stops on EOS or its template's end-of-turn token, whichever comes first."""
+    prompt = make_prompts([4], seed=4)[0]
+    free = GenerationEngine(model, batch_size=1, stop_ids=None).generate([prompt], GREEDY).completions[0]
+    first, later = free.tokens[1], free.tokens[4]
+    assert free.tokens[0] not in (first, later)  # else the row would stop earlier
+    c = GenerationEngine(model, batch_size=1, stop_ids=(later, first)).generate([prompt], GREEDY).completions[0]
+    assert (c.tokens, c.finish_reason) == (free.tokens[:2], "eos")
+
+
+def test_padded_vocabulary_ids_are_never_sampled():
+    """An embedding with more rows than the tokenizer has ids (Qwen2 pads 151665 to 151936):
+    ids past sampled_vocab_size get no probability, even when the weights favour them."""
+    torch.manual_seed(0)
+    m = Transformer(CFG).eval()
+    with torch.no_grad():
+        m.lm_head.weight[40:] *= 50  # make the padded tail dominate the logits
+    prompts = make_prompts([3, 6, 4, 5])
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    before = GenerationEngine(m, batch_size=4, stop_ids=None).generate(prompts, sampling).completions
+    assert any(t >= 40 for c in before for t in c.tokens)
+    m.sampled_vocab_size = 40
+    after = GenerationEngine(m, batch_size=4, stop_ids=None).generate(prompts, sampling).completions
+    assert all(t < 40 for c in after for t in c.tokens)
+    probs = torch.softmax(m(torch.tensor([prompts[0]])).logits[0], -1)
+    assert torch.all(probs[:, 40:] == 0) and torch.isfinite(torch.log_softmax(
+        m(torch.tensor([prompts[0]])).logits[0], -1)).all()
+
+
 def test_max_new_tokens_ends_a_row_with_reason_length(model):
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=5)
     result = GenerationEngine(model, batch_size=2, stop_ids=None).generate(make_prompts([3, 7]), sampling)

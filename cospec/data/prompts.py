@@ -97,8 +97,16 @@ def make_prompt_source(cfg: TaskConfig) -> PromptSource:
 
         return RecordSource(draw, types, verifier)
     from cospec.data.jsonl import load_prompt_records
+    from cospec.data.verifiers import math_verifier
 
-    return RecordSource.from_records(load_prompt_records(cfg.source), verifier)
+    records = load_prompt_records(cfg.source)
+    if verifier is math_verifier:  # a non-numeric answer fails now, not at the first reward
+        for n, r in enumerate(records, 1):
+            try:
+                math_verifier(r, "")
+            except ValueError as e:
+                raise ValueError(f"{cfg.source}: record {n}: {e}") from e
+    return RecordSource.from_records(records, verifier)
 
 
 @dataclass
