@@ -143,6 +143,15 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_export(args) -> int:
+    """The run's policy (HF layout, with tokenizer files) and EAGLE-3 draft (vLLM/SpecForge layout)."""
+    from cospec.export import export_run
+
+    cfg = _resolve(args)
+    export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device))
+    return 0
+
+
 def cmd_report(args) -> int:
     from cospec.metrics.report import write_report
 
@@ -350,6 +359,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--json", help="also write the results as JSON to this path")
     _config_args(ev)
     ev.set_defaults(fn=cmd_eval)
+    x = sub.add_parser("export", help="the run's policy (HF layout) and draft (EAGLE-3 layout)")
+    x.add_argument("--out", help="output directory (default out_dir/export)")
+    _config_args(x)
+    x.set_defaults(fn=cmd_export)
     rp = sub.add_parser("report", help="HTML report (with PNGs) from runs' metrics.jsonl")
     rp.add_argument("run_dirs", nargs="+", help="directories holding metrics.jsonl (one per run)")
     rp.add_argument("--out", default="report", help="output directory (report.html + PNGs)")

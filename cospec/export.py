@@ -1,0 +1,84 @@
+"""`cospec export`: a run's policy and draft in the layouts other tools read.
+
+    cospec export [--out DIR] [config as for the run]
+
+- ``DIR/policy``: the policy as an HF checkpoint (config.json, model.safetensors) that
+  transformers' ``from_pretrained`` loads, with the tokenizer files (tokenizer.json,
+  tokenizer_config.json with the chat template) and a generation_config.json naming every stop id,
+  when the run's tokenizer is a checkpoint's own (the embedded model's character tokenizer has no
+  HF form). Its stated context length is the source checkpoint's, not the run's cache length.
+- ``DIR/draft_eagle3``: the EAGLE-3 draft in the layout vLLM's and SGLang's EAGLE-3 loaders and
+  SpecForge read (`cospec.models.eagle3_export`; what differs in their use of it is written there).
+
+What is exported: the latest RL checkpoint under out_dir/rl/checkpoints when there is one (the
+policy and draft as trained), else the run's starting policy and its offline draft (out_dir/draft).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+
+from cospec.config import RunConfig
+from cospec.data.tokenizer import HFTokenizer, Tokenizer
+from cospec.models.draft import Eagle3Draft
+
+
+def context_length(cfg: RunConfig) -> int:
+    """The context the exported policy states: the source checkpoint's, or the run's length."""
+    if not cfg.model.path:
+        return cfg.model.max_seq_len
+    from cospec.data.model_files import resolve_model_path
+    from cospec.models.loading import checkpoint_model_config
+
+    return checkpoint_model_config(resolve_model_path(cfg.model.path)).max_seq_len
+
+
+def export_policy(policy, tokenizer: Tokenizer, path: Path, *, max_position_embeddings: int) -> None:
+    """The policy as an HF checkpoint directory, with the tokenizer's files where it has them."""
+    from cospec.models.hf_checkpoint import save_hf
+
+    arch = "Qwen2ForCausalLM" if policy.config.qkv_bias else "LlamaForCausalLM"
+    run_config = policy.config
+    policy.config = dataclasses.replace(run_config, max_seq_len=max_position_embeddings)
+    try:
+        save_hf(policy, path, arch)
+    finally:
+        policy.config = run_config
+    if isinstance(tokenizer, HFTokenizer):
+        tokenizer.hf.save_pretrained(str(path))
+        gen = {"bos_token_id": tokenizer.bos_id, "eos_token_id": list(tokenizer.stop_ids),
+               "pad_token_id": tokenizer.pad_id}
+        (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+
+
+def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu") -> dict[str, Path]:
+    """Write the run's policy (and draft, when it has an EAGLE-3 one) under `out`; their paths."""
+    from cospec.draft.offline import draft_dir
+    from cospec.models.draft_checkpoint import load_draft
+    from cospec.models.eagle3_export import export_eagle3
+    from cospec.models.loading import load_tokenizer
+    from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint
+    from cospec.starting_policy import load_policy
+
+    out = Path(out)
+    tokenizer = load_tokenizer(cfg.model)
+    last = latest_checkpoint(Path(cfg.out_dir) / "rl" / "checkpoints")
+    if last is not None:
+        ckpt = load_checkpoint(last, device=device)
+        policy, draft, source = ckpt["policy"], ckpt["draft"], str(last)
+    else:
+        policy, source = load_policy(cfg, device).policy, cfg.model.path or f"{cfg.out_dir}/sft"
+        saved = draft_dir(cfg, "eagle3")
+        draft = load_draft(saved, device=device) if saved.exists() else None
+    written = {}
+    export_policy(policy, tokenizer, out / "policy", max_position_embeddings=context_length(cfg))
+    written["policy"] = out / "policy"
+    if isinstance(draft, Eagle3Draft):
+        export_eagle3(draft, out / "draft_eagle3", max_position_embeddings=context_length(cfg))
+        written["draft_eagle3"] = out / "draft_eagle3"
+    print(f"exported from {source}: " + ", ".join(f"{k} -> {v}" for k, v in written.items()))
+    return written
