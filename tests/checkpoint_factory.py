@@ -2,7 +2,8 @@
 
     tokenizer = train_tiny_bpe()                       # byte-level BPE, SmolLM2's special tokens
     write_hf_checkpoint(tmp / "hf", model, tokenizer)  # config, safetensors, tokenizer files
-    write_gguf_checkpoint(tmp / "m.gguf", model, tokenizer, quantize={"layers.0.mlp.up_proj.weight": "Q8_0"})
+    write_gguf_checkpoint(tmp / "m.gguf", model, tokenizer,
+                          quantize={"layers.0.mlp.up_proj.weight": "Q8_0"})
 
 Both directories load in transformers (``AutoTokenizer``/``AutoModelForCausalLM.from_pretrained``,
 with ``gguf_file=`` for GGUF) with no network. The GGUF writer is written from llama.cpp's file

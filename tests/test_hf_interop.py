@@ -37,12 +37,15 @@ def randomise_(module: torch.nn.Module, seed: int) -> None:
                 p.copy_(noise * (1.0 if "embed" in name else 0.1))
 
 
-def tiny_hf(arch: str, tied: bool, seed: int = 0):
+def tiny_hf(arch: str, tied: bool, seed: int = 0, rope_parameters: dict | None = None,
+            max_position_embeddings: int = 64):
     config_cls, model_cls = HF_CLASSES[arch]
+    rope_parameters = rope_parameters or {"rope_type": "default", "rope_theta": 500.0}
     config = config_cls(vocab_size=50, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                        rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                        tie_word_embeddings=tied, attn_implementation="eager")
+                        num_attention_heads=4, num_key_value_heads=2,
+                        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-5,
+                        rope_parameters=rope_parameters, tie_word_embeddings=tied,
+                        attn_implementation="eager")
     model = model_cls(config).float().eval()
     randomise_(model, seed)
     return model
@@ -168,6 +171,48 @@ def test_missing_tensor_is_refused_naming_it(tmp_path):
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=r"missing \['model\.layers\.1\.self_attn\.k_proj\.bias'\]"):
         load_hf(tmp_path)
+
+
+# Llama 3.1 RoPE scaling, shrunk so that it matters in a tiny model: head_dim 16 and theta 100 give
+# wavelengths 6.3, 11, 20, 35, ... so with an original context of 32 (edges at 32/4 = 8 and 32/1)
+# the first frequency is kept, the next two are interpolated and the rest divided by 8. Turning the
+# scaling off moves these logits by ~0.5, far past ATOL.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 100.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+LLAMA3_FIELDS = dict(rope_theta=100.0, rope_scaling="llama3", rope_scaling_factor=8.0,
+                     rope_low_freq_factor=1.0, rope_high_freq_factor=4.0, rope_original_max_len=32)
+
+
+@torch.no_grad()
+def test_llama3_rope_scaling_matches_transformers_past_the_original_context(tmp_path):
+    hf = tiny_hf("LlamaForCausalLM", tied=False, rope_parameters=LLAMA3_ROPE,
+                 max_position_embeddings=128)
+    hf.save_pretrained(tmp_path)
+    ours = load_hf(tmp_path).eval()
+    assert {k: getattr(ours.config, k) for k in LLAMA3_FIELDS} == LLAMA3_FIELDS
+    ids = tokens(2, 100, seed=6)
+    torch.testing.assert_close(ours(ids).logits, hf_logits(hf, ids), atol=ATOL, rtol=0)
+
+
+def test_llama3_rope_scaling_survives_save_and_reload_by_transformers(tmp_path):
+    cfg = ModelConfig(vocab_size=50, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                      intermediate_size=96, max_seq_len=128, **LLAMA3_FIELDS)
+    save_hf(Transformer(cfg), tmp_path / "a")
+    hf = LlamaForCausalLM.from_pretrained(tmp_path / "a")
+    assert hf.config.rope_parameters == LLAMA3_ROPE
+    hf.save_pretrained(tmp_path / "b")
+    assert load_hf(tmp_path / "b").config == cfg
+
+
+@pytest.mark.parametrize("type_key", ["rope_type", "type"])
+def test_transformers_4_rope_scaling_reads_like_transformers_5_rope_parameters(type_key):
+    config = tiny_hf("LlamaForCausalLM", tied=False).config.to_dict()
+    config.pop("rope_parameters")
+    scaling = {k: v for k, v in LLAMA3_ROPE.items() if k not in ("rope_type", "rope_theta")}
+    config.update(architectures=["LlamaForCausalLM"], rope_theta=100.0,
+                  rope_scaling={type_key: "llama3", **scaling})
+    cfg = model_config_from_hf(config)
+    assert {k: getattr(cfg, k) for k in LLAMA3_FIELDS} == LLAMA3_FIELDS
 
 
 @pytest.mark.parametrize(("patch", "message"), [

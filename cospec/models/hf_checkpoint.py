@@ -4,9 +4,10 @@ Supports ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``, the two layouts `Transfo
 exactly. HF names are ours with a ``model.`` prefix on everything but ``lm_head``; a tied head is
 stored once (as ``model.embed_tokens.weight``), as HF itself does.
 
-Anything the policy would compute differently from transformers (rope scaling, sliding windows,
-biases other than Qwen2's q/k/v, a head_dim that is not hidden/heads) is refused with a ValueError
-rather than loaded into a model that silently disagrees with its checkpoint.
+RoPE is plain or Llama 3.1's "llama3" scaling. Anything the policy would compute differently from
+transformers (other rope scaling, sliding windows, biases other than Qwen2's q/k/v, a head_dim that
+is not hidden/heads) is refused with a ValueError rather than loaded into a model that silently
+disagrees with its checkpoint.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -40,16 +42,43 @@ def _architecture(hf: dict) -> str:
     return archs[0]
 
 
-def _rope_theta(hf: dict) -> float:
-    """rope_theta from transformers 5's ``rope_parameters`` or 4's top-level fields."""
+def _rope_fields(hf: dict) -> dict:
+    """The ModelConfig RoPE fields from transformers 5's ``rope_parameters`` or 4's ``rope_theta``
+    and ``rope_scaling`` (whose type key is ``rope_type``, or ``type`` in files older than 4.45)."""
+    llama3: dict = {}
     for field in ("rope_parameters", "rope_scaling"):
         params = hf.get(field) or {}
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind != "default":
+        if kind not in ("default", "llama3"):
             raise ValueError(f"config.json {field}: rope type {kind!r} is unsupported "
-                             f"(only 'default' RoPE)")
+                             f"(only 'default' and 'llama3' RoPE)")
+        if kind == "llama3" and not llama3:
+            llama3 = params
     params = hf.get("rope_parameters") or {}
-    return float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
+    out: dict = {"rope_theta": float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))}
+    if llama3:
+        # The defaults are Llama 3.1's, which transformers also assumes for a missing key.
+        out.update(rope_scaling="llama3", rope_scaling_factor=float(llama3.get("factor", 8.0)),
+                   rope_low_freq_factor=float(llama3.get("low_freq_factor", 1.0)),
+                   rope_high_freq_factor=float(llama3.get("high_freq_factor", 4.0)),
+                   rope_original_max_len=int(llama3.get("original_max_position_embeddings", 8192)))
+    return out
+
+
+def _hf_rope_fields(cfg: ModelConfig) -> dict:
+    """config.json's RoPE keys: rope_theta (+ rope_scaling) for transformers 4, rope_parameters for
+    5; both name the same values."""
+    scaling = {}
+    if cfg.rope_scaling == "llama3":
+        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
+                   "low_freq_factor": cfg.rope_low_freq_factor,
+                   "high_freq_factor": cfg.rope_high_freq_factor,
+                   "original_max_position_embeddings": cfg.rope_original_max_len}
+    out: dict = {"rope_theta": cfg.rope_theta,
+                 "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}}
+    if scaling:
+        out["rope_scaling"] = scaling
+    return out
 
 
 def _check_supported(hf: dict, arch: str) -> None:
@@ -80,7 +109,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        intermediate_size=hf["intermediate_size"], rope_theta=_rope_theta(hf),
+        intermediate_size=hf["intermediate_size"], **_rope_fields(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_seq_len=hf.get("max_position_embeddings", 2048),
         qkv_bias=arch == "Qwen2ForCausalLM",
@@ -105,9 +134,7 @@ def hf_config_from_model_config(cfg: ModelConfig, architecture: str = "LlamaForC
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-        # rope_theta for transformers 4, rope_parameters for 5; both name the same value.
-        "rope_theta": cfg.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        **_hf_rope_fields(cfg),
         "dtype": dtype_name, "torch_dtype": dtype_name, "attention_dropout": 0.0,
     }
     if qwen2:
@@ -142,26 +169,35 @@ def _read_tensors(path: Path, device: str) -> dict[str, Tensor]:
 
 def load_hf(path: str | Path, *, device: torch.device | str | None = None,
             dtype: torch.dtype | None = None) -> Transformer:
-    """A `Transformer` holding an HF checkpoint's weights (dtype: as stored unless given).
-
-    The model is built on the meta device and the loaded tensors are assigned in place, so the
-    weights are never allocated twice nor randomly initialised first.
-    """
+    """A `Transformer` holding an HF checkpoint's weights (dtype: as stored unless given)."""
     path = Path(path)
     cfg = model_config_from_hf(json.loads((path / CONFIG_NAME).read_text()))
     tensors = _read_tensors(path, str(device or "cpu"))
     state = {_to_ours(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
              for k, v in tensors.items()}
+    return model_from_state(cfg, state, str(path), _to_hf)
+
+
+def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], source: str,
+                     checkpoint_name: Callable[[str], str]) -> Transformer:
+    """A `Transformer` for `cfg` whose parameters are the tensors of `state` (by our names).
+
+    The model is built on the meta device and the tensors are assigned in place, so the weights are
+    never allocated twice nor randomly initialised first. A state that does not match the config
+    raises a ValueError naming `source` and the tensors by the checkpoint's own names
+    (`checkpoint_name` maps ours to them). A tied head may be in `state` or not (some exporters
+    store it twice); it is dropped from `state` either way.
+    """
     if cfg.tie_embeddings:
-        state.pop("lm_head.weight", None)  # some exporters store the tied head twice
+        state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = Transformer(cfg)
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"{path}: checkpoint does not match the config: "
-                         f"missing {[_to_hf(n) for n in missing]}, "
-                         f"unexpected {[_to_hf(n) for n in unexpected]}")
+        raise ValueError(f"{source}: checkpoint does not match the config: "
+                         f"missing {[checkpoint_name(n) for n in missing]}, "
+                         f"unexpected {[checkpoint_name(n) for n in unexpected]}")
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:  # assign replaced embed_tokens.weight: point the head at the new one
         model.lm_head.weight = model.embed_tokens.weight
