@@ -25,6 +25,8 @@ Two conversions of llama.cpp's converter are undone:
 
 from __future__ import annotations
 
+import functools
+
 import math
 import re
 from pathlib import Path
@@ -66,6 +68,13 @@ def _open(path: str | Path) -> GGUFReader:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{path}: no such GGUF file")
+    stat = path.stat()
+    return _cached_reader(path.resolve(), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=1)
+def _cached_reader(path: Path, mtime_ns: int, size: int) -> GGUFReader:
+    """One parse per file version: a run reads the architecture first and the tensors later."""
     try:
         return GGUFReader(path)
     except (ValueError, IndexError, OSError) as e:  # bad magic, empty or truncated header

@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """[D/2] RoPE angular frequencies theta^(-2i/D) in fp32, rescaled when cfg.rope_scaling="llama3".
+    """[D/2] RoPE angular frequencies theta^(-2i/D) in fp32, rescaled if rope_scaling="llama3".
 
     Llama 3.1's scaling (the rope_type "llama3" of HF checkpoints) stretches long wavelengths so a
     model pretrained at original_max_len works at longer contexts. Per frequency f, wavelength
