@@ -82,7 +82,8 @@ from torch import Tensor, nn
 
 from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft
-from cospec.models.hf_checkpoint import CONFIG_NAME, WEIGHTS_NAME, write_checkpoint_directory
+from cospec.models.hf_checkpoint import (CONFIG_NAME, WEIGHTS_NAME, hf_rope_fields, rope_fields_from_hf,
+                                         write_checkpoint_directory)
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 OUR_LAYER = "layers.0."
@@ -139,15 +140,9 @@ def _vocab_map(d2t: Tensor | None, head_rows: int, vocab_size: int) -> tuple[Ten
 # ----------------------------------------------------------------------------- config.json
 
 def _rope_config(cfg: ModelConfig) -> dict:
-    """rope_theta/rope_scaling (transformers 4, SpecForge, older engines), rope_parameters (5)."""
-    scaling = None
-    if cfg.rope_scaling == "llama3":
-        scaling = {"rope_type": "llama3", "factor": cfg.rope_scaling_factor,
-                   "low_freq_factor": cfg.rope_low_freq_factor,
-                   "high_freq_factor": cfg.rope_high_freq_factor,
-                   "original_max_position_embeddings": cfg.rope_original_max_len}
-    parameters = {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta}
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": scaling, "rope_parameters": parameters}
+    """The policy's RoPE keys as transformers 4 and 5 write them; rope_scaling null for plain RoPE
+    (the engines read that key)."""
+    return {"rope_scaling": None, **hf_rope_fields(cfg)}
 
 
 def _eagle3_config(draft: Eagle3Draft, *, draft_vocab_size: int,
@@ -222,21 +217,6 @@ def _exported_taps(hf: dict) -> list[int]:
     return sorted(ours if ours is not None else [t - 1 for t in vllm])
 
 
-def _rope_from_config(hf: dict) -> dict:
-    params = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    theta = float(params.get("rope_theta", hf.get("rope_theta", 10000.0)))
-    if kind == "default":
-        return {"rope_theta": theta}
-    if kind != "llama3":
-        raise ValueError(f"config.json: rope type {kind!r} is unsupported (default or llama3)")
-    return {"rope_theta": theta, "rope_scaling": "llama3",
-            "rope_scaling_factor": float(params["factor"]),
-            "rope_low_freq_factor": float(params["low_freq_factor"]),
-            "rope_high_freq_factor": float(params["high_freq_factor"]),
-            "rope_original_max_len": int(params["original_max_position_embeddings"])}
-
-
 def _policy_config(hf: dict, taps: list[int]) -> ModelConfig:
     """The policy config the draft needs: the target's widths, vocabulary and RoPE. Its depth is
     ``cospec.policy_num_layers``, which only we write; for another exporter's checkpoint, the least
@@ -248,7 +228,7 @@ def _policy_config(hf: dict, taps: list[int]) -> ModelConfig:
         num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
         intermediate_size=hf["intermediate_size"], rms_norm_eps=float(hf["rms_norm_eps"]),
         max_seq_len=hf["max_position_embeddings"], qkv_bias=bool(hf.get("attention_bias", False)),
-        **_rope_from_config(hf))
+        **rope_fields_from_hf(hf))
 
 
 def read_eagle3_export(path: str | Path, *, device: torch.device | str | None = None

@@ -42,7 +42,7 @@ def _architecture(hf: dict) -> str:
     return archs[0]
 
 
-def _rope_fields(hf: dict) -> dict:
+def rope_fields_from_hf(hf: dict) -> dict:
     """The ModelConfig RoPE fields from transformers 5's ``rope_parameters`` or 4's ``rope_theta``
     and ``rope_scaling`` (whose type key is ``rope_type``, or ``type`` in files older than 4.45)."""
     llama3: dict = {}
@@ -65,7 +65,7 @@ def _rope_fields(hf: dict) -> dict:
     return out
 
 
-def _hf_rope_fields(cfg: ModelConfig) -> dict:
+def hf_rope_fields(cfg: ModelConfig) -> dict:
     """config.json's RoPE keys: rope_theta (+ rope_scaling) for transformers 4, rope_parameters for
     5; both name the same values."""
     scaling = {}
@@ -109,7 +109,7 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
         vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
         num_layers=hf["num_hidden_layers"], num_heads=heads,
         num_kv_heads=hf.get("num_key_value_heads") or heads,
-        intermediate_size=hf["intermediate_size"], **_rope_fields(hf),
+        intermediate_size=hf["intermediate_size"], **rope_fields_from_hf(hf),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         max_seq_len=hf.get("max_position_embeddings", 2048),
         qkv_bias=arch == "Qwen2ForCausalLM",
@@ -134,7 +134,7 @@ def hf_config_from_model_config(cfg: ModelConfig, architecture: str = "LlamaForC
         "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
         "head_dim": cfg.head_dim, "hidden_act": "silu", "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_seq_len, "tie_word_embeddings": cfg.tie_embeddings,
-        **_hf_rope_fields(cfg),
+        **hf_rope_fields(cfg),
         "dtype": dtype_name, "torch_dtype": dtype_name, "attention_dropout": 0.0,
     }
     if qwen2:
