@@ -115,18 +115,23 @@ def train_tiny_bpe(vocab_size: int = 1024) -> Tokenizer:
     return tokenizer
 
 
-def random_policy(cfg: ModelConfig, seed: int = 0) -> Transformer:
-    """A policy with weights far from init (norms around 1, biases and matrices of std 0.1,
-    embeddings of std 1), so a mis-mapped or mis-ordered tensor moves its logits by O(1)."""
-    model = Transformer(cfg).eval()
+def randomise_(module: torch.nn.Module, seed: int = 0) -> None:
+    """Weights far from init (norms around 1, biases and matrices of std 0.1, embeddings of std 1),
+    so a mis-mapped or mis-ordered tensor moves the logits by O(1); works on HF modules too."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in module.named_parameters():
             noise = torch.randn(p.shape, generator=g)
             if "norm" in name:
                 p.copy_(1 + 0.2 * noise)
             else:
                 p.copy_(noise * (1.0 if "embed" in name else 0.1))
+
+
+def random_policy(cfg: ModelConfig, seed: int = 0) -> Transformer:
+    """A policy of `cfg` with `randomise_`d weights."""
+    model = Transformer(cfg).eval()
+    randomise_(model, seed)
     return model
 
 

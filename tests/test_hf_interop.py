@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from checkpoint_factory import randomise_
 
 from cospec.config import ModelConfig
 from cospec.models.hf_checkpoint import load_hf, model_config_from_hf, save_hf
@@ -23,18 +24,6 @@ HF_CLASSES = {"LlamaForCausalLM": (LlamaConfig, LlamaForCausalLM),
               "Qwen2ForCausalLM": (Qwen2Config, Qwen2ForCausalLM)}
 CASES = [(arch, tied) for arch in HF_CLASSES for tied in (False, True)]
 IDS = [f"{arch.removesuffix('ForCausalLM')}-{'tied' if tied else 'untied'}" for arch, tied in CASES]
-
-
-def randomise_(module: torch.nn.Module, seed: int) -> None:
-    """Weights far from init: norms around 1, biases and matrices of std 0.1 (embeddings 1)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            if "norm" in name:
-                p.copy_(1 + 0.2 * noise)
-            else:
-                p.copy_(noise * (1.0 if "embed" in name else 0.1))
 
 
 def tiny_hf(arch: str, tied: bool, seed: int = 0, rope_parameters: dict | None = None,
