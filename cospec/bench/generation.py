@@ -19,6 +19,7 @@ medians of tokens/s are reported with their ratio (cospec / HF, > 1 means cospec
 from __future__ import annotations
 
 import random
+import resource
 import statistics
 import tempfile
 import time
@@ -130,9 +131,17 @@ def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | N
     from cospec.starting_policy import pick_device
 
     device = pick_device(cfg.device)
+    t0 = time.perf_counter()
     tokenizer = load_tokenizer(cfg.model)
+    t1 = time.perf_counter()
+    load = {}
     if cfg.model.path:
         policy = load_pretrained(cfg.model, tokenizer, device=device)
+        # peak resident memory of this process so far: the loaded policy plus the interpreter
+        load = {"tokenizer_seconds": t1 - t0, "model_seconds": time.perf_counter() - t1,
+                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+        print(f"loaded {cfg.model.path}: tokenizer {load['tokenizer_seconds']:.1f} s, weights "
+              f"{load['model_seconds']:.1f} s, peak RSS {load['peak_rss_mb']:.0f} MB")
         what = f"{cfg.model.path} ({cfg.model.dtype})"
     else:
         torch.manual_seed(0)
@@ -154,7 +163,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | N
         meta = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"],
                 "sampling": cfg.to_dict()["sampling"], "torch": torch.__version__,
                 "transformers": transformers.__version__, "machine": platform.machine(),
-                "threads": torch.get_num_threads(), "repeats": repeats}
+                "threads": torch.get_num_threads(), "repeats": repeats, "load": load}
         with open(json_path, "w") as f:
             json.dump({"results": rows, "meta": meta}, f, indent=2)
     return rows
