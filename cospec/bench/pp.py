@@ -46,9 +46,9 @@ from cospec.models.llama import Transformer
 from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
                                       build_stage, pipeline_groups, split_layers, token_nll)
-from cospec.parallel.tap_channel import TapChannel, tap_owners
-from cospec.data.tokenizer import BOS, EOS
 from cospec.data.packing import pack_examples
+from cospec.data.tokenizer import BOS, EOS
+from cospec.parallel.tap_channel import TapChannel, tap_owners
 
 METHODS = ("no_tap", "tap_channel", "blocking")
 

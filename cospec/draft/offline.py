@@ -19,14 +19,14 @@ import time
 import torch
 
 from cospec.config import RunConfig, SamplingConfig
+from cospec.data.packing import pack_examples
+from cospec.data.prompts import TaskData
 from cospec.draft.losses import masked_mean, soft_cross_entropy
 from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
 from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
-from cospec.data.packing import pack_examples
-from cospec.data.prompts import TaskData
-from cospec.lr_schedule import lr_at
 from cospec.rollout.engine import GenerationEngine
 
 

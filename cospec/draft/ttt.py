@@ -23,11 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cospec.data.tokenizer import PAD
 from cospec.draft.losses import soft_cross_entropy, total_variation
 from cospec.models.branch_attention import trunk_branch_attention
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import packed_positions, rope_cos_sin
-from cospec.data.tokenizer import PAD
 
 
 @dataclass

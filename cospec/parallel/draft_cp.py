@@ -20,11 +20,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTSteps, ttt_loss_on_steps
 from cospec.models.draft import Eagle3Draft
 from cospec.parallel.ring_attention import ring_trunk_branch_attention
 from cospec.parallel.zigzag import ZigzagLayout
-from cospec.data.tokenizer import PAD
 
 
 def shard_ttt_steps(layout: ZigzagLayout, steps: TTTSteps, rank: int) -> TTTSteps:

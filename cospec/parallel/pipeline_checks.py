@@ -23,9 +23,9 @@ from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (Microbatch, PipelineStep, PipeTransport, build_stage,
                                       co_trained_step, pipeline_groups, split_layers, token_nll)
-from cospec.parallel.tap_channel import TapChannel, TapStampError
-from cospec.data.tokenizer import BOS, EOS
 from cospec.data.packing import pack_examples
+from cospec.data.tokenizer import BOS, EOS
+from cospec.parallel.tap_channel import TapChannel, TapStampError
 
 TINY = ModelConfig(vocab_size=50, hidden_size=32, num_layers=6, num_heads=4, num_kv_heads=2,
                    intermediate_size=64, max_seq_len=64)

@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTBatch, ttt_steps
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
 from cospec.parallel.ring_attention import RingAttention
 from cospec.parallel.zigzag import ZigzagLayout
 from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
-from cospec.data.tokenizer import PAD
 
 
 def shard_minibatch(mb: PolicyMinibatch, layout: ZigzagLayout, rank: int) -> PolicyMinibatch:

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cospec.data.packing import pack_examples
 from cospec.draft.ttt import TTTBatch
 from cospec.rl import grpo
-from cospec.data.packing import pack_examples
 
 #: the statistics a step sums over its tokens (a tensor, so one all-reduce carries all of them)
 SUMS = ("loss", "tokens", "clipped", "kl", "entropy", "mismatch_abs", "mismatch_mult")

@@ -29,15 +29,15 @@ from dataclasses import dataclass
 import torch
 
 from cospec.config import ConfigError, RunConfig, SamplingConfig
+from cospec.data.prompts import TaskData
+from cospec.data.tasks import Example
+from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.draft.offline import train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
-from cospec.data.prompts import TaskData
-from cospec.data.tasks import Example
-from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.rl.weight_sync import InProcessWeightSync
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine

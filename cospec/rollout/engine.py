@@ -43,8 +43,8 @@ import torch
 from torch import Tensor
 
 from cospec.config import SamplingConfig
-from cospec.metrics.progress import progress_bar
 from cospec.data.tokenizer import EOS, PAD
+from cospec.metrics.progress import progress_bar
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import sample_tokens
 
