@@ -19,6 +19,7 @@ from cospec.cli import main
 from cospec.config import ModelConfig, RunConfig
 from cospec.data.model_files import resolve_model_path
 from cospec.data.tokenizer import HFTokenizer
+from cospec.data.word_problems import ANSWER_INSTRUCTION
 from cospec.models.loading import load_pretrained, load_tokenizer, with_checkpoint_model
 
 CFG = ModelConfig(vocab_size=1024, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -169,7 +170,7 @@ def test_rollout_prompts_are_rendered_by_the_chat_template(checkpoint, tmp_path)
     batch = trainer.generate()
     text = tok.hf.decode(batch.completions[0].prompt, skip_special_tokens=False)
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
-    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n") and "Answer: N" in text
+    assert text.endswith("<|im_end|>\n<|im_start|>assistant\n") and ANSWER_INSTRUCTION in text
     assert all(len(c.tokens) <= 8 for c in batch.completions)
 
 

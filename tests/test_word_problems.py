@@ -66,7 +66,7 @@ def test_every_operand_is_at_least_two():  # so the text never says "1 apples"
 
 def test_the_prompt_ends_with_the_answer_instruction_which_holds_no_number():
     assert all(r["prompt"].endswith(ANSWER_INSTRUCTION) for r in ALL)
-    assert '"Answer: N"' in ANSWER_INSTRUCTION and not re.search(r"\d", ANSWER_INSTRUCTION)
+    assert '"Answer: "' in ANSWER_INSTRUCTION and not re.search(r"\d", ANSWER_INSTRUCTION)
 
 
 # ----------------------------------------------------------------------------- types and levels

@@ -40,9 +40,12 @@ PROBLEM_TYPES: tuple[str, ...] = ("add", "sub", "mul", "div", "mixed")
 LEVELS: tuple[int, ...] = (1, 2, 3, 4)
 
 #: Appended to every prompt on its own line. Holds no digits, so the prompt's numbers are exactly
-#: the operands; cospec.data.verifiers reads the "Answer: N" line first.
-ANSWER_INSTRUCTION = ('Solve the problem step by step. Then write the final answer on its own line '
-                      'as "Answer: N", where N is a whole number.')
+#: the operands; cospec.data.verifiers reads the "Answer:" line first. Chosen by measurement on
+#: SmolLM2-135M-Instruct (greedy, level 1, docs/results/real_model.md): asking to "solve step by
+#: step ... as 'Answer: N'" gave 10% (it wrote a literal N, or 300-token loops), no instruction 20%,
+#: this one 32% in a median of ~40 tokens.
+ANSWER_INSTRUCTION = 'End your answer with a line "Answer: " followed by the number.'
+
 
 _OPS = ("+", "-", "*", "/")
 _KIND_OP = {"add": "+", "sub": "-", "mul": "*", "div": "/"}
