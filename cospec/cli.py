@@ -28,19 +28,25 @@ def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, applied last")
 
 
-def _resolve(args) -> RunConfig:
-    """Recipe, file, overrides; then a checkpoint's architecture where model.path names one."""
+def _resolve(args, *, checkpoint_required: bool = True) -> RunConfig:
+    """Recipe, file, overrides; then a checkpoint's architecture where model.path names one.
+    Without `checkpoint_required` (``cospec config``), a checkpoint that cannot be read leaves the
+    config as typed, with a warning: a recipe validates before its model is installed."""
     from cospec.models.loading import with_checkpoint_model
 
     cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
     try:
         return with_checkpoint_model(cfg)
     except ValueError as e:  # a missing package or file, an unsupported architecture
-        raise ConfigError(str(e)) from e
+        if checkpoint_required:
+            raise ConfigError(str(e)) from e
+        print(f"cospec: warning: {e}; the model.* fields below are the config's, not the "
+              f"checkpoint's", file=sys.stderr)
+        return cfg
 
 
 def cmd_config(args) -> int:
-    cfg = _resolve(args)
+    cfg = _resolve(args, checkpoint_required=False)
     print(json.dumps(cfg.to_dict(), indent=2))
     if args.describe:
         for name, default, doc in config_mod.describe():
@@ -148,7 +154,10 @@ def cmd_export(args) -> int:
     from cospec.export import export_run
 
     cfg = _resolve(args)
-    export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device))
+    try:
+        export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device))
+    except ValueError as e:  # what the target layouts cannot express (e.g. repeated tap layers)
+        raise ConfigError(f"export: {e}") from e
     return 0
 
 

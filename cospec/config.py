@@ -210,6 +210,10 @@ class DraftConfig:
     tap_layers: tuple[int, ...] = ()
     #: SwiGLU inner size of the draft layer(s) (0 = the policy's)
     intermediate_size: int = 0
+    #: eagle3: rows of the draft's LM head, the most frequent tokens of the policy's own samples
+    #: (EAGLE-3's reduced draft vocabulary; q = 0 elsewhere, sampling stays lossless); 0 = the
+    #: policy's whole vocabulary. Fixed when the draft is first trained offline
+    vocab_size: int = 0
     #: decoder layers of the "lm" draft (the eagle3 draft always has one)
     lm_num_layers: int = 1
     #: copy the policy's embedding and LM head into the draft at construction
@@ -261,6 +265,9 @@ class DraftConfig:
                f"must name 3 layers (low, mid, high) or none for the default, got {list(self.tap_layers)}")
         _check(all(t >= 0 for t in self.tap_layers), "draft.tap_layers", "must be >= 0")
         _check(self.intermediate_size >= 0, "draft.intermediate_size", "must be >= 0")
+        _check(self.vocab_size >= 0, "draft.vocab_size", f"must be >= 0, got {self.vocab_size}")
+        _check(self.vocab_size == 0 or self.kind == "eagle3", "draft.vocab_size",
+               "a reduced draft vocabulary is for draft.kind=eagle3 (set 0 for lm)")
         _check(self.lm_num_layers > 0, "draft.lm_num_layers", "must be positive")
         for n in ("train_steps", "tokens_per_batch", "num_train_prompts", "ttt_steps"):
             _check(getattr(self, n) > 0, f"draft.{n}", f"must be positive, got {getattr(self, n)}")

@@ -154,3 +154,55 @@ def test_sample_sequences_keeps_random_whole_sequences_within_the_token_budget(p
     assert sample_sequences(batch, 36, random.Random(0)) is batch
 
 
+
+
+# ----------------------------------------------------------------------------- reduced draft vocabulary
+
+def test_draft_vocabulary_is_the_most_frequent_response_tokens_plus_the_stop_ids_increasing():
+    from cospec.draft.offline import draft_vocabulary
+
+    responses = [[7, 7, 7, 3, 3, 9], [3, 7, 11, 11, 11, 11, 2]]
+    # counts: 11 x4, 7 x4, 3 x3, 9 x1, 2 x1; stop id 0 is kept though never sampled
+    ids = draft_vocabulary(responses, 4, 20, keep=(0,))
+    assert ids.tolist() == [0, 3, 7, 11]
+    assert draft_vocabulary(responses, 3, 20).tolist() == [3, 7, 11]
+    with pytest.raises(ValueError, match="draft.vocab_size=20"):
+        draft_vocabulary(responses, 20, 20)
+
+
+def test_a_reduced_head_drafts_only_its_ids_and_the_loss_targets_p_renormalised_on_them(policy):
+    ids = torch.tensor([2, 5, 8, 13, 21, 34])
+    torch.manual_seed(3)
+    draft = Eagle3Draft.from_policy(policy, vocab_ids=ids)
+    assert draft.draft_vocab_size == 6
+    torch.testing.assert_close(draft.lm_head.weight, policy.lm_head.weight[ids])  # rows copied
+    logits_d = torch.randn(4, 6, dtype=torch.float64)
+    full = draft.full_vocab_logits(logits_d)
+    q = full.softmax(-1)
+    assert torch.all(q[:, [i for i in range(policy.config.vocab_size) if i not in ids]] == 0)
+    torch.testing.assert_close(q[:, ids], logits_d.softmax(-1))
+    # losses against an independent computation: p restricted and renormalised (CE), the
+    # policy's mass outside the head counted whole (TV = 1 - sum min(p, q) over the full vocab)
+    from cospec.draft.losses import soft_cross_entropy, total_variation
+
+    policy_logits = torch.randn(4, policy.config.vocab_size, dtype=torch.float64)
+    p = (policy_logits / 0.7).softmax(-1)
+    q = (full / 0.7).softmax(-1)
+    p_d = p[:, ids] / p[:, ids].sum(-1, keepdim=True)
+    ce_ref = -(p_d * (logits_d / 0.7).log_softmax(-1)).sum(-1)
+    tv_ref = 1 - torch.minimum(p, q).sum(-1)
+    torch.testing.assert_close(soft_cross_entropy(logits_d, policy_logits, 0.7, ids), ce_ref)
+    torch.testing.assert_close(total_variation(logits_d, policy_logits, 0.7, ids), tv_ref)
+
+
+def test_a_saved_reduced_draft_keeps_its_vocabulary_mapping(tmp_path):
+    cfg = resolve("tiny", overrides=["draft.vocab_size=12", "draft.train_steps=2",
+                                     "draft.num_train_prompts=8", "sampling.max_new_tokens=8"])
+    torch.manual_seed(0)
+    draft, _ = train_draft_offline(cfg, Transformer(cfg.model), progress=False)
+    assert draft.draft_vocab_size == 12 and 2 in draft.vocab_ids.tolist()  # EOS is always kept
+    save_draft(draft, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d")
+    assert torch.equal(loaded.vocab_ids, draft.vocab_ids)
+    for (n, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), n

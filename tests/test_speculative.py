@@ -50,17 +50,19 @@ def drafts_for(policy):
     perfect acceptance) and the policy itself as its own draft (accepts everything)."""
     torch.manual_seed(1)
     eagle = Eagle3Draft.from_policy(policy).eval()
+    # a reduced head over every third id (and EOS): tokens outside it are never drafted
+    reduced = Eagle3Draft.from_policy(policy, vocab_ids=torch.tensor(sorted({EOS, *range(4, 50, 3)})))
     noisy = make_policy(policy.config, seed=0)
     with torch.no_grad():
         for p in noisy.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    return {"eagle3": eagle, "lm": noisy, "self": policy}
+    return {"eagle3": eagle, "eagle3-reduced": reduced.eval(), "lm": noisy, "self": policy}
 
 
 PROMPT_LENGTHS = [1, 4, 12, 7, 2, 9, 5, 3, 15, 6, 8]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "lm", "self"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-reduced", "lm", "self"])
 @pytest.mark.parametrize("gamma,adaptive", [(1, False), (4, False), (4, True)])
 def test_greedy_speculation_equals_greedy_plain_decoding_token_for_token(policy, kind, gamma,
                                                                          adaptive):
@@ -121,11 +123,11 @@ def exact_response_distribution(policy, prompt, sampling):
     return dist
 
 
-def trained_tiny_draft(policy):
+def trained_tiny_draft(policy, vocab_ids=None):
     """An EAGLE-3 draft fitted for a few TTT steps on the policy's own samples (acceptance well
     above a random draft's), so both the accept and the reject paths carry real mass."""
     torch.manual_seed(2)
-    draft = Eagle3Draft.from_policy(policy)
+    draft = Eagle3Draft.from_policy(policy, vocab_ids=vocab_ids)
     samples = GenerationEngine(policy, batch_size=32, stop_ids=None).generate(
         [[BOS, 4]] * 32, SamplingConfig(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
     seqs = [c.prompt + c.tokens for c in samples.completions]
@@ -167,6 +169,8 @@ SAMPLES_PER_PROMPT = 3000
     ("trained", 2, 0.7, 0.9),
     ("random", 3, 1.0, 1.0),
     ("random", 2, 1.3, 0.8),
+    ("trained-reduced", 3, 1.0, 1.0),
+    ("trained-reduced", 2, 0.7, 0.9),
 ])
 def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, gamma, temperature,
                                                                     top_p):
@@ -178,14 +182,23 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
     off by far more (TV of 0.1-0.4 here).
     """
     policy = make_policy(TINY, std=0.5, seed=4)
-    draft = trained_tiny_draft(policy) if draft_kind == "trained" else Eagle3Draft.from_policy(policy)
+    # the reduced head covers the 3 ids this policy samples most (0, 1 and EOS; what
+    # `draft_vocabulary` picks): responses through 3, 4 and 5 (~20% of its tokens) must still come
+    # out with exactly their policy probability, from the residual alone
+    reduced = torch.tensor([0, 1, EOS])
+    draft = {"trained": lambda: trained_tiny_draft(policy),
+             "trained-reduced": lambda: trained_tiny_draft(policy, reduced),
+             "random": lambda: Eagle3Draft.from_policy(policy)}[draft_kind]()
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
     prompts = [[BOS, 4, 5], [BOS]]  # ragged
     engine = SpeculativeEngine(policy, draft, batch_size=48, gamma=gamma)
     result = engine.generate(prompts * SAMPLES_PER_PROMPT, sampling,
                              generator=torch.Generator().manual_seed(11))
-    if draft_kind == "trained":
+    if draft_kind.startswith("trained"):
         assert result.stats.acceptance_by_position[0] > 0.5
+    if draft_kind == "trained-reduced":
+        drafted_outside = [t for c in result.completions for t in c.tokens if t not in reduced]
+        assert drafted_outside  # they occur; the check below says with exactly their probability
     for which, prompt in enumerate(prompts):
         exact = exact_response_distribution(policy, prompt, sampling)
         outcomes = sorted(exact)

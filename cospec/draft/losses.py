@@ -27,21 +27,35 @@ def _acc(x: Tensor) -> Tensor:
 
 
 def soft_cross_entropy(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
-                       temperature: float = 1.0) -> Tensor:
-    """Per-token H(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached."""
+                       temperature: float = 1.0, vocab_ids: Tensor | None = None) -> Tensor:
+    """Per-token H(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached.
+
+    vocab_ids: a reduced draft vocabulary (draft logits [N, Vd] over those policy ids); the target
+    is then p restricted to them and renormalised, as EAGLE-3 trains its reduced head.
+    """
     t = _scale(temperature)
-    p = (_acc(policy_logits_NV.detach()) / t).softmax(-1)
+    target = policy_logits_NV.detach()
+    if vocab_ids is not None:
+        target = target[..., vocab_ids]  # softmax of the restriction = p renormalised on it
+    p = (_acc(target) / t).softmax(-1)
     log_q = (_acc(draft_logits_NV) / t).log_softmax(-1)
     return -(p * log_q).sum(-1)
 
 
 def total_variation(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
-                    temperature: float = 1.0) -> Tensor:
-    """Per-token TV(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached."""
+                    temperature: float = 1.0, vocab_ids: Tensor | None = None) -> Tensor:
+    """Per-token TV(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached.
+
+    vocab_ids: a reduced draft vocabulary; q is 0 outside it, so the policy's mass there counts
+    whole: TV = 0.5 * (sum over the draft ids of |p - q| + p(outside)), still 1 - acceptance.
+    """
     t = _scale(temperature)
     p = (_acc(policy_logits_NV.detach()) / t).softmax(-1)
     q = (_acc(draft_logits_NV) / t).softmax(-1)
-    return 0.5 * (p - q).abs().sum(-1)
+    if vocab_ids is None:
+        return 0.5 * (p - q).abs().sum(-1)
+    p_draft = p[..., vocab_ids]
+    return 0.5 * ((p_draft - q).abs().sum(-1) + (1 - p_draft.sum(-1)).clamp(min=0))
 
 
 def masked_mean(values_N: Tensor, mask_N: Tensor) -> Tensor:

@@ -30,14 +30,33 @@ from cospec.models.llama import Transformer
 from cospec.rollout.engine import GenerationEngine
 
 
-def build_draft(cfg: RunConfig, policy: Transformer) -> Eagle3Draft | Transformer:
-    """A fresh draft of kind ``draft.kind`` for `policy` (seeded by ``draft.seed``)."""
+def draft_vocabulary(responses: list[list[int]], size: int, vocab_size: int,
+                     keep: tuple[int, ...] = ()) -> torch.Tensor:
+    """The `size` policy ids the draft's head covers: the most frequent tokens of the policy's
+    own responses, ties to the lower id, plus `keep` (the stop ids: a response must be able to end
+    in a drafted token); increasing, as the EAGLE-3 export's d2t/t2d maps need."""
+    if not 0 < size < vocab_size:
+        raise ValueError(f"draft.vocab_size={size} must be in (0, the policy's {vocab_size})")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for r in responses:
+        counts += torch.bincount(torch.tensor(r, dtype=torch.long), minlength=vocab_size)
+    big = int(counts.max()) + 1
+    for t in keep:
+        counts[t] = big
+    order = torch.sort(-counts, stable=True).indices  # by count, then id (the sort is stable)
+    return order[:size].sort().values
+
+
+def build_draft(cfg: RunConfig, policy: Transformer,
+                vocab_ids: torch.Tensor | None = None) -> Eagle3Draft | Transformer:
+    """A fresh draft of kind ``draft.kind`` for `policy` (seeded by ``draft.seed``); vocab_ids: a
+    reduced draft vocabulary (`draft_vocabulary`)."""
     d = cfg.draft
     torch.manual_seed(d.seed)
     if d.kind == "eagle3":
         return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers,
                                        intermediate_size=d.intermediate_size,
-                                       init_from_policy=d.init_from_policy)
+                                       init_from_policy=d.init_from_policy, vocab_ids=vocab_ids)
     lm = Transformer(draft_model_config(policy.config, num_layers=d.lm_num_layers,
                                         intermediate_size=d.intermediate_size))
     if d.init_from_policy:
@@ -57,8 +76,9 @@ def task_data(cfg: RunConfig, data: TaskData | None) -> TaskData:
 
 
 def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | None = None,
-                       progress: bool = True) -> list[TTTBatch]:
-    """Steps 1-2: policy samples, packed into batches of ~draft.tokens_per_batch tokens."""
+                       progress: bool = True) -> tuple[list[TTTBatch], list[list[int]]]:
+    """Steps 1-2: policy samples, packed into batches of ~draft.tokens_per_batch tokens; and the
+    sampled responses' tokens (what a reduced draft vocabulary is chosen from)."""
     d, data = cfg.draft, task_data(cfg, data)
     rng = random.Random(d.seed + 777)  # a prompt stream of its own
     examples = [data.source.sample(rng) for _ in range(d.num_train_prompts)]
@@ -89,7 +109,7 @@ def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | 
                                 taps={k: v[0] for k, v in out.taps.items()},
                                 policy_logits=out.logits[0]))
         start = end
-    return batches
+    return batches, [c.tokens for c in result.completions]
 
 
 def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple[torch.Tensor, dict]:
@@ -105,10 +125,14 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
     data: the prompts and tokenizer (default: the run's, `task_data`)."""
     d = cfg.draft
     policy.eval()
-    draft = draft if draft is not None else build_draft(cfg, policy)
+    data = task_data(cfg, data)
     t0 = time.perf_counter()
-    batches = sample_policy_data(cfg, policy, data=data, progress=progress)
+    batches, responses = sample_policy_data(cfg, policy, data=data, progress=progress)
     data_seconds = time.perf_counter() - t0
+    if draft is None:
+        vocab_ids = (draft_vocabulary(responses, d.vocab_size, policy.config.vocab_size,
+                                      keep=data.tokenizer.stop_ids) if d.vocab_size else None)
+        draft = build_draft(cfg, policy, vocab_ids)
     opt = torch.optim.AdamW(draft.parameters(), lr=d.lr, betas=(0.9, 0.95), weight_decay=0.0)
     order = random.Random(d.seed)
     history, last = [], {}
@@ -174,6 +198,7 @@ def _fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
         return (isinstance(draft, Eagle3Draft) and draft.policy_config == policy.config
                 and draft.tap_layers == (d.tap_layers or default_tap_layers(policy.config.num_layers))
                 and draft.config.intermediate_size == (d.intermediate_size
-                                                       or policy.config.intermediate_size))
+                                                       or policy.config.intermediate_size)
+                and draft.draft_vocab_size == (d.vocab_size or policy.config.vocab_size))
     return isinstance(draft, Transformer) and draft.config == draft_model_config(
         policy.config, num_layers=d.lm_num_layers, intermediate_size=d.intermediate_size)

@@ -192,8 +192,9 @@ def ttt_loss_on_steps(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor, *
     for j, lg in enumerate(logits):
         mask = steps.mask_JT[j].float()
         count = mask.sum() if total_count is None else total_count(mask.sum())
-        ce = (soft_cross_entropy(lg, steps.targets_JTV[j], temperature) * mask).sum() / count.clamp(min=1)
-        tv = (total_variation(lg, steps.targets_JTV[j], temperature) * mask).sum() / count.clamp(min=1)
+        target, ids = steps.targets_JTV[j], draft.vocab_ids
+        ce = (soft_cross_entropy(lg, target, temperature, ids) * mask).sum() / count.clamp(min=1)
+        tv = (total_variation(lg, target, temperature, ids) * mask).sum() / count.clamp(min=1)
         total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())

@@ -30,7 +30,8 @@ from torch import Tensor, nn
 
 from cospec.config import ModelConfig
 from cospec.models.attention import AttentionCallable, sdpa_attention
-from cospec.models.llama import MLP, Attention, RMSNorm, Transformer, apply_rope, forward_context
+from cospec.models.llama import (MASKED_LOGIT, MLP, Attention, RMSNorm, Transformer, apply_rope,
+                                 forward_context)
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -80,8 +81,9 @@ class DraftDecoderLayer(nn.Module):
 
 @dataclass
 class DraftOutput:
-    """logits [B, T, V] (next-token prediction of each entry); hidden [B, T, C] (the feature that
-    the next draft step at the same anchor reads)."""
+    """logits [B, T, Vd] (next-token prediction of each entry over the head's rows: Vd = V
+    without a reduced draft vocabulary, see `Eagle3Draft.full_vocab_logits`); hidden [B, T, C]
+    (the feature that the next draft step at the same anchor reads)."""
 
     logits: Tensor
     hidden: Tensor
@@ -89,7 +91,11 @@ class DraftOutput:
 
 class Eagle3Draft(nn.Module):
     def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
-                 intermediate_size: int = 0, attn_fn: AttentionCallable = sdpa_attention):
+                 intermediate_size: int = 0, vocab_ids: Tensor | None = None,
+                 attn_fn: AttentionCallable = sdpa_attention):
+        """vocab_ids: a reduced draft vocabulary (EAGLE-3, Sec. 3.3 of its code release: the head
+        covers only the most frequent tokens), the policy ids of the head's rows, strictly
+        increasing; None = the policy's whole vocabulary. q is zero outside it."""
         super().__init__()
         L = policy_cfg.num_layers
         self.tap_layers = tuple(tap_layers) or default_tap_layers(L)
@@ -105,19 +111,46 @@ class Eagle3Draft(nn.Module):
         # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
         self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
         self.norm = RMSNorm(C, policy_cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(C, policy_cfg.vocab_size, bias=False)
+        if vocab_ids is not None:
+            # .to, not as_tensor: under a meta-device context as_tensor would make a meta tensor
+            vocab_ids = (vocab_ids if isinstance(vocab_ids, Tensor)
+                         else torch.tensor(list(vocab_ids))).to(dtype=torch.long)
+            V = policy_cfg.vocab_size
+            if vocab_ids.dim() != 1 or len(vocab_ids) == 0 or not bool((vocab_ids[1:] > vocab_ids[:-1]).all()) \
+                    or int(vocab_ids[0]) < 0 or int(vocab_ids[-1]) >= V:
+                raise ValueError(f"draft vocab_ids must be strictly increasing policy ids in [0, {V})")
+        # Saved with the weights (a buffer), so a loaded draft keeps its mapping.
+        self.register_buffer("vocab_ids", vocab_ids)
+        head_rows = policy_cfg.vocab_size if vocab_ids is None else len(vocab_ids)
+        self.lm_head = nn.Linear(C, head_rows, bias=False)
         Transformer.reset_parameters(self)
 
     @classmethod
     def from_policy(cls, policy: Transformer, *, tap_layers: tuple[int, ...] = (),
-                    intermediate_size: int = 0, init_from_policy: bool = True) -> "Eagle3Draft":
-        """A draft sized for `policy`, on its device and dtype; embedding and head copied from it."""
+                    intermediate_size: int = 0, init_from_policy: bool = True,
+                    vocab_ids: Tensor | None = None) -> "Eagle3Draft":
+        """A draft sized for `policy`, on its device and dtype; embedding and head (its rows of the
+        draft vocabulary) copied from it."""
         p = next(policy.parameters())
-        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size)
+        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size,
+                    vocab_ids=vocab_ids)
         if init_from_policy:
             draft.embed_tokens.weight.data.copy_(policy.embed_tokens.weight.data)
-            draft.lm_head.weight.data.copy_(policy.lm_head.weight.data)
+            head = policy.lm_head.weight.data
+            draft.lm_head.weight.data.copy_(head if vocab_ids is None else head[draft.vocab_ids.to(head.device)])
         return draft.to(device=p.device, dtype=p.dtype)
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.lm_head.weight.shape[0]
+
+    def full_vocab_logits(self, logits: Tensor) -> Tensor:
+        """[..., V] logits over the policy's vocabulary: the head's rows at their policy ids,
+        MASKED_LOGIT elsewhere (q = 0 there, so verification stays exact)."""
+        if self.vocab_ids is None:
+            return logits
+        full = logits.new_full((*logits.shape[:-1], self.policy_config.vocab_size), MASKED_LOGIT)
+        return full.index_copy(-1, self.vocab_ids, logits)
 
     def check_policy(self, policy_cfg: ModelConfig) -> None:
         """ValueError unless a policy of this config can feed this draft."""

@@ -174,9 +174,13 @@ def _eagle3_tensors(draft: Eagle3Draft, d2t: Tensor | None = None) -> dict[str, 
     """The exported tensors by name (see the module docstring)."""
     V = draft.policy_config.vocab_size
     head_rows = draft.lm_head.weight.shape[0]
+    if d2t is None and draft.vocab_ids is not None:  # the draft's own reduced vocabulary
+        d2t = draft.vocab_ids.cpu() - torch.arange(head_rows)
     d2t_out, t2d = _vocab_map(d2t, head_rows, V)
     out: dict[str, Tensor] = {}
     for name, t in draft.state_dict().items():
+        if name == "vocab_ids":  # written as d2t/t2d, the engines' form of the same map
+            continue
         if name.startswith(OUR_LAYER):
             name = EXPORTED_LAYER + name.removeprefix(OUR_LAYER)
         out[name] = t.detach().cpu().contiguous()
@@ -194,7 +198,7 @@ def export_eagle3(draft: Eagle3Draft, path: str | Path, *, d2t: Tensor | None = 
     """Write `draft` at `path` as an EAGLE-3 checkpoint directory (atomically).
 
     d2t: for a head of Vd < V rows, the offsets ``target id - draft id`` [Vd]; None for a head
-    over the whole vocabulary. max_position_embeddings: the context the engine will serve
+    over the whole vocabulary or a draft that carries its own reduced vocabulary (``vocab_ids``). max_position_embeddings: the context the engine will serve
     (default: the policy's max_seq_len).
     """
     head_rows = draft.lm_head.weight.shape[0]
@@ -251,11 +255,16 @@ def read_eagle3_export(path: str | Path, *, device: torch.device | str | None = 
     policy_cfg = _policy_config(hf, taps)
     head_rows = hf.get("draft_vocab_size") or policy_cfg.vocab_size
     # Built on meta and the loaded tensors assigned: the weights are never allocated twice.
+    reduced = head_rows != policy_cfg.vocab_size
+    if reduced:
+        if d2t is None:
+            raise ValueError(f"{path}: a head of {head_rows} rows for a vocabulary of "
+                             f"{policy_cfg.vocab_size} needs d2t")
+        state["vocab_ids"] = torch.arange(head_rows, device=d2t.device) + d2t.long()
+    placeholder = torch.arange(head_rows) if reduced else None  # replaced by the loaded ids
     with torch.device("meta"):
         draft = Eagle3Draft(policy_cfg, tap_layers=tuple(taps),
-                            intermediate_size=hf["intermediate_size"])
-        if head_rows != policy_cfg.vocab_size:
-            draft.lm_head = nn.Linear(policy_cfg.hidden_size, head_rows, bias=False)
+                            intermediate_size=hf["intermediate_size"], vocab_ids=placeholder)
     draft.load_state_dict(state, assign=True)  # strict: names the missing or unexpected tensors
     if d2t is not None and head_rows == policy_cfg.vocab_size and not bool(d2t.any()):
         d2t = None

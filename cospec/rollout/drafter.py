@@ -47,7 +47,9 @@ class Eagle3Drafter:
                  num_valid_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         out = self.model(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
                          num_valid_B=num_valid_N)
-        return out.logits, out.hidden
+        # q over the policy's vocabulary: a reduced draft vocabulary's other ids get q = 0, so the
+        # draft never proposes them and the residual max(0, p - q) keeps their exact p.
+        return self.model.full_vocab_logits(out.logits), out.hidden
 
 
 class LMDrafter:
