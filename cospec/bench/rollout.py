@@ -1,8 +1,10 @@
 """`cospec bench rollout`: plain vs speculative rollouts (fixed and adaptive gamma) vs HF assisted
-generation, on the SFT policy and its trained drafts, measured side by side in one run.
+generation, on the run's starting policy (the SFT policy, or the checkpoint at ``model.path``) and
+its trained drafts, measured side by side in one run.
 
-Workload (``--workload``): ``tasks``, task-suite prompts (the RL workload: EOS on, responses of
-1-40 tokens, ~6 on average), or ``long``, the suite's long tail (copy answers of 24-40 tokens); the config's
+Workload (``--workload``): ``tasks``, the run's prompts (``task.source``; on the synthetic suite
+responses of 1-40 tokens, ~6 on average; the stop ids are the tokenizer's), or ``long``, the
+synthetic suite's long tail (copy answers of 24-40 tokens); the config's
 sampling (temperature 1 by default), ``sampling.max_new_tokens``. Per batch size B every method
 answers the same prompts (2B of them, at least 16) with the same seed; methods run interleaved,
 ``repeats`` times each after one warm-up, and tokens/s is total tokens over total seconds, so slow
@@ -13,7 +15,9 @@ Ideal speedup (what the cost model predicts from the measured tau, Leviathan et 
 with verify/draft the calibrated forward costs at B rows (`cospec.rollout.adaptive`); it leaves out
 prefill, sampling and bookkeeping, so measured/ideal says how much of the rest eats the gain.
 
-At batch 1 it also runs HF transformers' assisted generation (``generate(assistant_model=...,
+For a checkpoint, batch 1 also runs HF transformers' plain sampling (``generate``) of the same file
+on the same prompts, beside cospec's plain and speculative engines. For the embedded model, batch 1
+also runs HF transformers' assisted generation (``generate(assistant_model=...,
 do_sample=True)``: lossless, batch 1 only) with the policy and a standalone draft LM exported to HF
 layout, HF's plain sampling, and cospec's speculative engine with that same draft LM. The
 assistant's knobs are read from its own generation_config: num_assistant_tokens = gamma, schedule
@@ -32,28 +36,33 @@ import time
 import torch
 
 from cospec.config import RunConfig, SamplingConfig
-from cospec.data.tasks import Copy, TaskSuite, encode_prompt
+from cospec.data.prompts import TaskData
+from cospec.data.tasks import Copy, encode_prompt
 from cospec.data.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
 
-def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks") -> list[list[int]]:
-    """``tasks``: the RL prompt mix (responses of ~6 tokens on average). ``long``: the long tail of
-    the same suite, copy prompts whose answers have 24-40 characters (what a rollout batch still
-    decodes after the short answers have finished)."""
-    tok, rng = CharTokenizer(), random.Random(seed)
+def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks",
+                 data: TaskData | None = None) -> list[list[int]]:
+    """``tasks``: the run's RL prompts (``task.source`` through its tokenizer; on the synthetic
+    suite, responses of ~6 tokens on average). ``long`` (synthetic only): the long tail of the
+    suite, copy prompts whose answers have 24-40 characters (what a rollout batch still decodes
+    after the short answers have finished)."""
+    rng = random.Random(seed)
     if workload == "long":
-        copy_family = Copy(mean_len=30.0, max_len=40)
+        if cfg.task.source != "synthetic":
+            raise ValueError("--workload long is the synthetic suite's long tail (task.source=synthetic)")
+        tok, copy_family = CharTokenizer(), Copy(mean_len=30.0, max_len=40)
         examples = []
         while len(examples) < n:
             ex = copy_family.sample(rng)
             if len(ex.answer) >= 24:
                 examples.append(ex)
         return [encode_prompt(e, tok) for e in examples]
-    suite = TaskSuite(cfg.task)
-    return [suite.encode_prompt(suite.sample(rng), tok) for _ in range(n)]
+    data = data or TaskData.from_config(cfg.task, CharTokenizer())
+    return [data.prompt_ids(data.source.sample(rng)) for _ in range(n)]
 
 
 class Timer:
@@ -73,14 +82,14 @@ class Timer:
 
 
 def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_size: int,
-                     gamma: int, repeats: int, seed: int = 0) -> dict:
+                     gamma: int, repeats: int, seed: int = 0, stop_ids=(EOS,)) -> dict:
     device = next(policy.parameters()).device
     controller = AdaptiveGamma(gamma)
     engines = {
-        "plain": GenerationEngine(policy, batch_size=batch_size),
-        "spec": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma),
+        "plain": GenerationEngine(policy, batch_size=batch_size, stop_ids=stop_ids),
+        "spec": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma, stop_ids=stop_ids),
         "adaptive": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma,
-                                      controller=controller),
+                                      controller=controller, stop_ids=stop_ids),
     }
     timers = {k: Timer() for k in engines}
     with torch.inference_mode():
@@ -117,11 +126,12 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
 
 
 def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,
-                      repeats: int = 1) -> float:
+                      repeats: int = 1, stop_ids=(EOS,), pad_id: int = PAD) -> float:
     """HF `generate` one prompt at a time (assisted generation supports batch 1 only)."""
     tokens, seconds = 0, 0.0
     kwargs = dict(do_sample=True, temperature=sampling.temperature, top_k=0, top_p=sampling.top_p,
-                  max_new_tokens=sampling.max_new_tokens, eos_token_id=EOS, pad_token_id=PAD)
+                  max_new_tokens=sampling.max_new_tokens, eos_token_id=list(stop_ids),
+                  pad_token_id=pad_id)
     if assistant is not None:
         kwargs["assistant_model"] = assistant
     for r in range(repeats):
@@ -161,13 +171,15 @@ def format_table(rows: list[dict]) -> str:
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
             hf: bool = True, workload: str = "tasks") -> dict:
     """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
-    from cospec.starting_policy import load_or_train_sft, pick_device
     from cospec.config import apply
     from cospec.draft.offline import draft_dir, load_or_train_draft
+    from cospec.starting_policy import load_policy, pick_device
 
     device = pick_device(cfg.device)
-    policy, _ = load_or_train_sft(cfg, device)
-    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+    start = load_policy(cfg, device)
+    policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
+    stops = data.tokenizer.stop_ids
+    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data)
     gamma, repeats = cfg.rollout.gamma, 1 if quick else 3
     s = cfg.sampling
     sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
@@ -178,17 +190,35 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     rows = []
     for B in batch_sizes:
         prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1),
-                               workload=workload)
+                               workload=workload, data=data)
         rows.append(bench_batch_size(policy, eagle, prompts, sampling, batch_size=B, gamma=gamma,
-                                     repeats=repeats))
+                                     repeats=repeats, stop_ids=stops))
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     out = {"results": rows}
-    if hf:
+    if hf and cfg.model.path:  # a checkpoint: HF's plain sampling on the same file and prompts
+        import tempfile
+        from pathlib import Path
+
+        from cospec.bench.generation import load_hf_model
+
+        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload, data=data)
+        with tempfile.TemporaryDirectory() as tmp:
+            hf_policy = load_hf_model(cfg, policy, Path(tmp))
+        same = bench_batch_size(policy, eagle, prompts, sampling, batch_size=1, gamma=gamma,
+                                repeats=repeats, stop_ids=stops)
+        out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats,
+                                                  stop_ids=stops, pad_id=data.tokenizer.pad_id)
+        out["cospec_same_prompts_spec_tok_s"] = same["spec_tok_s"]
+        out["cospec_same_prompts_plain_tok_s"] = same["plain_tok_s"]
+        print(f"batch 1: HF plain generate {out['hf_plain_tok_s']:.1f} tok/s, cospec plain "
+              f"{same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
+              f"(tau {same['accept_length']:.2f}): {same['spec_tok_s'] / out['hf_plain_tok_s']:.2f}x HF")
+    elif hf:
         lm_cfg = apply(cfg, {"draft": {"kind": "lm"}})
         draft_lm, _ = load_or_train_draft(lm_cfg, policy)
-        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload)
+        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload, data=data)
         same = bench_batch_size(policy, draft_lm, prompts, sampling, batch_size=1, gamma=gamma,
-                                repeats=repeats)
+                                repeats=repeats, stop_ids=stops)
         # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
         hf_policy, hf_draft = load_hf_pair(f"{cfg.out_dir}/sft", draft_dir(lm_cfg), gamma)
         out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats)
@@ -204,7 +234,9 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
               f"cospec EAGLE-3 / HF assisted = {rows[0]['spec_tok_s'] / out['hf_assisted_tok_s']:.2f}x")
     print()
     print(format_table(rows))
-    out["meta"] = {"model": cfg.to_dict()["model"], "gamma": gamma, "sampling": cfg.to_dict()["sampling"],
+    out["meta"] = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"],
+                   "draft_vocab_size": eagle.draft_vocab_size, "gamma": gamma,
+                   "sampling": cfg.to_dict()["sampling"],
                    "torch": torch.__version__, "machine": platform.machine(),
                    "threads": torch.get_num_threads(), "device": str(device), "quick": quick,
                    "workload": workload}

@@ -40,14 +40,14 @@ COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain-ce": "tab:orange",
           "cotrain-tv": "tab:green", "oracle": "tab:red"}  # one color per mode in every plot
 
 
-def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path):
+def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path, tokenizer=None):
     from cospec.rl.trainer import GRPOTrainer
 
     mcfg = apply(cfg, {**MODES[mode], "out_dir": str(out / mode)})
     mcfg = apply(mcfg, {"rollout": {"adaptive": False}})
     return GRPOTrainer(mcfg, copy.deepcopy(policy),
                        draft=copy.deepcopy(draft) if mcfg.rollout.speculative else None,
-                       out_dir=str(out / mode), tensorboard=False)
+                       tokenizer=tokenizer, out_dir=str(out / mode), tensorboard=False)
 
 
 def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]:
@@ -119,20 +119,26 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 
 def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
             draft=None, show: bool = True) -> dict:
-    """Run the modes (making or reusing the SFT policy and the offline draft unless given)."""
-    from cospec.starting_policy import load_or_train_sft, pick_device
+    """Run the modes (making or reusing the starting policy and the offline draft unless given)."""
+    from cospec.data.prompts import TaskData
     from cospec.draft.offline import load_or_train_draft
+    from cospec.models.loading import load_tokenizer
+    from cospec.starting_policy import load_policy, pick_device
 
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
     out.mkdir(parents=True, exist_ok=True)
     if policy is None:
-        policy, _ = load_or_train_sft(cfg, pick_device(cfg.device))
+        start = load_policy(cfg, pick_device(cfg.device))
+        policy, tokenizer = start.policy, start.tokenizer
+    else:
+        tokenizer = load_tokenizer(cfg.model)
     if draft is None:
-        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy)
+        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
+                                       data=TaskData.from_config(cfg.task, tokenizer))
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
-        trainers[mode] = make_trainer(cfg, mode, policy, draft, out)
+        trainers[mode] = make_trainer(cfg, mode, policy, draft, out, tokenizer)
     runs = run_lockstep(trainers, cfg.grpo.steps, out)
     result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
     (out / "stale_draft.json").write_text(json.dumps(finite_or_none(result), indent=1))
