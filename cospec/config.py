@@ -218,6 +218,10 @@ class DraftConfig:
     lm_num_layers: int = 1
     #: copy the policy's embedding and LM head into the draft at construction
     init_from_policy: bool = True
+    #: keep the draft's (copied) input embedding fixed in offline training and co-training
+    #: (EAGLE-3 shares the target's; on a 49K vocabulary it is most of the draft's parameters and
+    #: overfits a few thousand samples)
+    freeze_embedding: bool = False
     #: offline training (`cospec draft-train`): optimizer steps
     train_steps: int = 300
     #: offline training: tokens per packed batch
@@ -591,7 +595,7 @@ def smollm2_math() -> RunConfig:
                  "math_levels": [1]},
         "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 128,
-                  "train_steps": 300, "tokens_per_batch": 2048},
+                  "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6,
                  "checkpoint_every": 2, "eval_every": 5, "eval_prompts": 32},

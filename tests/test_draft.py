@@ -206,3 +206,14 @@ def test_a_saved_reduced_draft_keeps_its_vocabulary_mapping(tmp_path):
     assert torch.equal(loaded.vocab_ids, draft.vocab_ids)
     for (n, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n
+
+
+def test_a_frozen_embedding_stays_the_policys_while_the_rest_of_the_draft_trains():
+    cfg = resolve("tiny", overrides=["draft.freeze_embedding=true", "draft.train_steps=3",
+                                     "draft.num_train_prompts=8", "sampling.max_new_tokens=8"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    draft, _ = train_draft_offline(cfg, policy, progress=False)
+    assert torch.equal(draft.embed_tokens.weight, policy.embed_tokens.weight)
+    assert not torch.equal(draft.lm_head.weight, policy.lm_head.weight)
+    assert not draft.embed_tokens.weight.requires_grad

@@ -47,6 +47,14 @@ def draft_vocabulary(responses: list[list[int]], size: int, vocab_size: int,
     return order[:size].sort().values
 
 
+def trainable_parameters(draft, cfg: RunConfig) -> list[torch.nn.Parameter]:
+    """What the draft's optimizers update: everything, less the input embedding when
+    ``draft.freeze_embedding``, which is then marked requires_grad=False (no gradient computed,
+    none in the clipping norm). A training choice, so it is applied to a loaded draft too."""
+    draft.embed_tokens.weight.requires_grad_(not cfg.draft.freeze_embedding)
+    return [p for p in draft.parameters() if p.requires_grad]
+
+
 def build_draft(cfg: RunConfig, policy: Transformer,
                 vocab_ids: torch.Tensor | None = None) -> Eagle3Draft | Transformer:
     """A fresh draft of kind ``draft.kind`` for `policy` (seeded by ``draft.seed``); vocab_ids: a
@@ -133,7 +141,8 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
         vocab_ids = (draft_vocabulary(responses, d.vocab_size, policy.config.vocab_size,
                                       keep=data.tokenizer.stop_ids) if d.vocab_size else None)
         draft = build_draft(cfg, policy, vocab_ids)
-    opt = torch.optim.AdamW(draft.parameters(), lr=d.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
+                            weight_decay=0.0)
     order = random.Random(d.seed)
     history, last = [], {}
     draft.train()

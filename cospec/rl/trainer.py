@@ -32,7 +32,7 @@ from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
-from cospec.draft.offline import train_draft_offline
+from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.rl import grpo
@@ -97,7 +97,8 @@ class GRPOTrainer:
         self.draft = draft  # the trainer's draft, updated by co-training (on its owner rank)
         self.draft_optimizer = None
         if draft is not None and cfg.draft.mode == "cotrain" and self.owns_draft:
-            self.draft_optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.draft.cotrain_lr,
+            self.draft_optimizer = torch.optim.AdamW(trainable_parameters(draft, cfg),
+                                                     lr=cfg.draft.cotrain_lr,
                                                      betas=(0.9, 0.95), weight_decay=0.0)
         self.draft_loss, self.reduce_draft_grads = ttt_loss, None
         self._draft_data: list[TTTBatch] = []
