@@ -1,12 +1,14 @@
-"""A character-level tokenizer with special tokens, sized for the synthetic task suite.
+"""Tokenizers: the seam (`Tokenizer`), the character-level tokenizer of the embedded default
+(`CharTokenizer`), and a pretrained checkpoint's own (`HFTokenizer`: HF files or GGUF metadata,
+through transformers).
 
-Ids 0..3 are the specials: PAD (never attended: packing needs no padding, it only fills the tails of
-right-padded batches), BOS (starts every prompt), EOS (ends every response), UNK. Then one id per
-character of `ALPHABET`. The whole vocabulary fits in 64 ids so a small policy's embedding and head
-stay cheap; `ModelConfig.vocab_size` must equal `CharTokenizer.vocab_size` for the embedded policy.
+Character tokenizer: ids 0..3 are the specials PAD, BOS (starts every prompt), EOS (ends every
+response), UNK; then one id per character of `ALPHABET`. The whole vocabulary fits in 64 ids so a
+small policy's embedding and head stay cheap; `ModelConfig.vocab_size` must equal
+`CharTokenizer.vocab_size` for the embedded policy.
 
-`Tokenizer` is the seam the rest of cospec codes against; `HFTokenizer` is a pretrained
-checkpoint's own tokenizer (HF files or GGUF metadata, through transformers).
+`PAD` (id 0) is also what rollout, draft and parallel code fill right-padded tensors with, whatever
+the tokenizer: those positions are never attended and never trained, so any valid id serves.
 """
 
 from __future__ import annotations
