@@ -120,7 +120,7 @@ def plugin_dir(tmp_path, monkeypatch):
             return "1.0"
 
         def returns_nothing(record, response):
-            pass
+            return None
 
         NOT_CALLABLE = 3
     """))
