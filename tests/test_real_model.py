@@ -221,3 +221,14 @@ def test_one_speculative_grpo_step_with_a_reduced_co_trained_draft_end_to_end(tm
     tensors = load_file(out / "export" / "draft_eagle3" / "model.safetensors")
     assert exported["draft_vocab_size"] == 256 and exported["vocab_size"] == 1024
     torch.testing.assert_close(tensors["d2t"] + torch.arange(256), trained.vocab_ids)
+
+
+def test_a_bad_prompt_file_or_verifier_is_exit_2_naming_the_file_and_line(checkpoint, tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1", "answer": "2"}\n{"prompt": "2+2"}\n')
+    base = [f"model.path={checkpoint}", f"out_dir={tmp_path / 'run'}", "grpo.steps=1"]
+    assert main(["train", *base, f"task.source={bad}"]) == 2
+    assert f"{bad}:2:" in capsys.readouterr().err
+    assert main(["train", *base, "task.source=math", "task.verifier=no_such_module_xyz:f"]) == 2
+    assert "task.verifier" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "rl").exists()  # nothing started

@@ -27,13 +27,16 @@ import json
 import math
 from pathlib import Path
 
+from cospec.config import ConfigError
+
 DEFAULT_TYPE = "jsonl"
 ROLES = ("system", "user", "assistant")
 
 
-class PromptFileError(ValueError):
+class PromptFileError(ConfigError):
     """A prompt file cannot be read or a line is not a valid record; ``path`` and ``line`` (1-based,
-    None for the file as a whole) say where."""
+    None for the file as a whole) say where. A `ConfigError` (so a `ValueError`): the CLI reports it
+    and exits 2, like any bad input the user gave."""
 
     def __init__(self, path: str | Path, line: int | None, problem: str):
         self.path, self.line = str(path), line

@@ -20,7 +20,7 @@ import random
 from dataclasses import dataclass
 from typing import Callable, Protocol
 
-from cospec.config import TaskConfig
+from cospec.config import ConfigError, TaskConfig
 from cospec.data.tasks import Example, TaskSuite
 from cospec.data.tokenizer import Tokenizer
 
@@ -84,12 +84,18 @@ def make_prompt_source(cfg: TaskConfig) -> PromptSource:
         return TaskSuite(cfg)
     from cospec.data.verifiers import load_verifier
 
-    verifier = load_verifier(cfg.verifier)
+    try:  # what the user named: a ConfigError, reported by the CLI with exit 2
+        verifier = load_verifier(cfg.verifier)
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
     if cfg.source == "math":
         from cospec.data import word_problems
 
         types = tuple(cfg.math_types) or word_problems.PROBLEM_TYPES
-        word_problems.sample_problem(random.Random(0), types=types, levels=cfg.math_levels)  # validates
+        try:  # validates task.math_types and task.math_levels
+            word_problems.sample_problem(random.Random(0), types=types, levels=cfg.math_levels)
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
         def draw(rng: random.Random, family: str | None) -> dict:
             return word_problems.sample_problem(rng, types=(family,) if family else types,
@@ -105,7 +111,7 @@ def make_prompt_source(cfg: TaskConfig) -> PromptSource:
             try:
                 math_verifier(r, "")
             except ValueError as e:
-                raise ValueError(f"{cfg.source}: record {n}: {e}") from e
+                raise ConfigError(f"{cfg.source}: record {n}: {e}") from e
     return RecordSource.from_records(records, verifier)
 
 
