@@ -193,14 +193,27 @@ def test_a_reduced_head_drafts_only_its_ids_and_the_loss_targets_p_renormalised_
     tv_ref = 1 - torch.minimum(p, q).sum(-1)
     torch.testing.assert_close(soft_cross_entropy(logits_d, policy_logits, 0.7, ids), ce_ref)
     torch.testing.assert_close(total_variation(logits_d, policy_logits, 0.7, ids), tv_ref)
+    # the same from the head's logits plus one bucket for the rest (what offline data keeps)
+    from cospec.draft.losses import compress_to_head
+
+    small = compress_to_head(policy_logits, ids, 0.7)
+    assert small.shape == (4, 7)
+    torch.testing.assert_close(soft_cross_entropy(logits_d, small, 0.7, ids), ce_ref)
+    torch.testing.assert_close(total_variation(logits_d, small, 0.7, ids), tv_ref)
 
 
 def test_a_saved_reduced_draft_keeps_its_vocabulary_mapping(tmp_path):
     cfg = resolve("tiny", overrides=["draft.vocab_size=12", "draft.train_steps=2",
                                      "draft.num_train_prompts=8", "sampling.max_new_tokens=8"])
     torch.manual_seed(0)
-    draft, _ = train_draft_offline(cfg, Transformer(cfg.model), progress=False)
+    policy = Transformer(cfg.model)
+    draft, _ = train_draft_offline(cfg, policy, progress=False)
     assert draft.draft_vocab_size == 12 and 2 in draft.vocab_ids.tolist()  # EOS is always kept
+    from cospec.draft.offline import policy_batches, sample_responses, task_data
+
+    completions = sample_responses(cfg, policy, task_data(cfg, None), progress=False)
+    (batch, *_) = policy_batches(cfg, policy, completions, vocab_ids=draft.vocab_ids)
+    assert batch.policy_logits.shape[-1] == 13  # the head's 12 ids and one bucket, not V
     save_draft(draft, tmp_path / "d")
     loaded = load_draft(tmp_path / "d")
     assert torch.equal(loaded.vocab_ids, draft.vocab_ids)

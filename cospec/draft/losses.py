@@ -26,17 +26,35 @@ def _acc(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def compress_to_head(policy_logits_NV: Tensor, vocab_ids: Tensor, temperature: float) -> Tensor:
+    """[N, Vd + 1]: the policy's logits on a reduced draft head's ids, then one bucket logit for
+    all other ids, t * logsumexp(x_outside / t), so that at temperature t the softmax of the result
+    is exactly p on the head's ids and p(outside) in the bucket. What the losses need of p at that
+    temperature, in Vd + 1 numbers instead of V (6x less for SmolLM2 with an 8K head)."""
+    t = _scale(temperature)
+    x = _acc(policy_logits_NV.detach())
+    outside = torch.ones(x.shape[-1], dtype=torch.bool, device=x.device)
+    outside[vocab_ids] = False
+    bucket = t * (x[..., outside] / t).logsumexp(-1, keepdim=True)
+    return torch.cat([x[..., vocab_ids], bucket], dim=-1)
+
+
+def _compressed(policy_logits: Tensor, vocab_ids: Tensor | None) -> bool:
+    return vocab_ids is not None and policy_logits.shape[-1] == len(vocab_ids) + 1
+
+
 def soft_cross_entropy(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
                        temperature: float = 1.0, vocab_ids: Tensor | None = None) -> Tensor:
     """Per-token H(p, q) [N] (fp32, or fp64 for fp64 logits); the policy side is detached.
 
     vocab_ids: a reduced draft vocabulary (draft logits [N, Vd] over those policy ids); the target
-    is then p restricted to them and renormalised, as EAGLE-3 trains its reduced head.
+    is then p restricted to them and renormalised, as EAGLE-3 trains its reduced head. The policy
+    logits may be full [N, V] or `compress_to_head`'s [N, Vd + 1] (at this temperature).
     """
     t = _scale(temperature)
     target = policy_logits_NV.detach()
-    if vocab_ids is not None:
-        target = target[..., vocab_ids]  # softmax of the restriction = p renormalised on it
+    if vocab_ids is not None:  # softmax of the restriction = p renormalised on it
+        target = target[..., :-1] if _compressed(target, vocab_ids) else target[..., vocab_ids]
     p = (_acc(target) / t).softmax(-1)
     log_q = (_acc(draft_logits_NV) / t).log_softmax(-1)
     return -(p * log_q).sum(-1)
@@ -48,17 +66,19 @@ def total_variation(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
 
     vocab_ids: a reduced draft vocabulary; q is 0 outside it, so the policy's mass there counts
     whole: TV = 0.5 * (sum over the draft ids of |p - q| + p(outside)), still 1 - acceptance.
+    The policy logits may be full [N, V] or `compress_to_head`'s [N, Vd + 1].
     """
     t = _scale(temperature)
     q = (_acc(draft_logits_NV) / t).softmax(-1)
-    if vocab_ids is None:
-        p = (_acc(policy_logits_NV.detach()) / t).softmax(-1)
-        return 0.5 * (p - q).abs().sum(-1)
-    # p on the head's ids only: one logsumexp over V instead of a V-wide softmax (V = 49K for
-    # SmolLM2 against a head of a few thousand rows)
     logits = policy_logits_NV.detach()
-    lse = (_acc(logits) / t).logsumexp(-1, keepdim=True)
-    p_draft = ((_acc(logits[..., vocab_ids]) / t) - lse).exp()
+    if vocab_ids is None:
+        p = (_acc(logits) / t).softmax(-1)
+        return 0.5 * (p - q).abs().sum(-1)
+    if _compressed(logits, vocab_ids):
+        p_draft = (_acc(logits) / t).softmax(-1)[..., :-1]
+    else:  # p on the head's ids through one logsumexp over V, not a V-wide softmax
+        lse = (_acc(logits) / t).logsumexp(-1, keepdim=True)
+        p_draft = ((_acc(logits[..., vocab_ids]) / t) - lse).exp()
     return 0.5 * ((p_draft - q).abs().sum(-1) + (1 - p_draft.sum(-1)).clamp(min=0))
 
 

@@ -21,7 +21,7 @@ import torch
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.packing import pack_examples
 from cospec.data.prompts import TaskData
-from cospec.draft.losses import masked_mean, soft_cross_entropy
+from cospec.draft.losses import compress_to_head, masked_mean, soft_cross_entropy
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
@@ -83,11 +83,10 @@ def task_data(cfg: RunConfig, data: TaskData | None) -> TaskData:
     return TaskData.from_config(cfg.task, load_tokenizer(cfg.model))
 
 
-def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | None = None,
-                       progress: bool = True) -> tuple[list[TTTBatch], list[list[int]]]:
-    """Steps 1-2: policy samples, packed into batches of ~draft.tokens_per_batch tokens; and the
-    sampled responses' tokens (what a reduced draft vocabulary is chosen from)."""
-    d, data = cfg.draft, task_data(cfg, data)
+def sample_responses(cfg: RunConfig, policy: Transformer, data: TaskData, *,
+                     progress: bool = True) -> list:
+    """Step 1: the policy answers draft.num_train_prompts prompts at the rollout sampling."""
+    d = cfg.draft
     rng = random.Random(d.seed + 777)  # a prompt stream of its own
     examples = [data.source.sample(rng) for _ in range(d.num_train_prompts)]
     prompts = [data.prompt_ids(e) for e in examples]
@@ -97,9 +96,18 @@ def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | 
     engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size,
                               stop_ids=data.tokenizer.stop_ids)
     gen = torch.Generator(device=device).manual_seed(d.seed)
-    result = engine.generate(prompts, sampling, generator=gen, progress=progress)
+    return engine.generate(prompts, sampling, generator=gen, progress=progress).completions
+
+
+def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
+                   vocab_ids: torch.Tensor | None = None) -> list[TTTBatch]:
+    """Step 2: the answers packed into batches of ~draft.tokens_per_batch tokens, each with the
+    policy's detached taps and logits. With a reduced draft vocabulary the logits are kept as
+    `compress_to_head` (at the sampling temperature): Vd + 1 numbers a token instead of V, which
+    is what lets the data grow (SmolLM2: 4 GB of fp32 logits for 18K tokens otherwise)."""
+    d, device = cfg.draft, next(policy.parameters()).device
     encoded = [(c.prompt + c.tokens, [0] * len(c.prompt) + [1] * len(c.tokens))
-               for c in result.completions if c.tokens]
+               for c in completions if c.tokens]
     taps = default_tap_layers(policy.config.num_layers) if not d.tap_layers else d.tap_layers
     batches, start = [], 0
     while start < len(encoded):
@@ -111,13 +119,15 @@ def sample_policy_data(cfg: RunConfig, policy: Transformer, *, data: TaskData | 
         with torch.no_grad():
             out = policy(packed.tokens.to(device), cu_seqlens=packed.cu_seqlens.to(device),
                          tap_layers=taps)
+        logits = out.logits[0]
+        if vocab_ids is not None:
+            logits = compress_to_head(logits, vocab_ids.to(device), cfg.sampling.temperature)
         batches.append(TTTBatch(tokens=packed.tokens[0].to(device),
                                 cu_seqlens=packed.cu_seqlens.to(device),
                                 loss_mask=packed.loss_mask[0].to(device),
-                                taps={k: v[0] for k, v in out.taps.items()},
-                                policy_logits=out.logits[0]))
+                                taps={k: v[0] for k, v in out.taps.items()}, policy_logits=logits))
         start = end
-    return batches, [c.tokens for c in result.completions]
+    return batches
 
 
 def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple[torch.Tensor, dict]:
@@ -135,12 +145,15 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
     policy.eval()
     data = task_data(cfg, data)
     t0 = time.perf_counter()
-    batches, responses = sample_policy_data(cfg, policy, data=data, progress=progress)
-    data_seconds = time.perf_counter() - t0
+    completions = sample_responses(cfg, policy, data, progress=progress)
     if draft is None:
-        vocab_ids = (draft_vocabulary(responses, d.vocab_size, policy.config.vocab_size,
-                                      keep=data.tokenizer.stop_ids) if d.vocab_size else None)
+        vocab_ids = (draft_vocabulary([c.tokens for c in completions], d.vocab_size,
+                                      policy.config.vocab_size, keep=data.tokenizer.stop_ids)
+                     if d.vocab_size else None)
         draft = build_draft(cfg, policy, vocab_ids)
+    batches = policy_batches(cfg, policy, completions,
+                             vocab_ids=getattr(draft, "vocab_ids", None))
+    data_seconds = time.perf_counter() - t0
     opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     order = random.Random(d.seed)
