@@ -3,7 +3,7 @@
 # H query heads, Hkv kv heads, L local tokens, T packed tokens, P padded tokens, D head dim,
 # J branch keys per query (TTT depth - 1), N sequences, S halves-layout rows
 
-Workload: the attention of the deepest step of a TTT unroll of depth ``depth`` (EAGLE-3, DESIGN.md):
+Workload: the attention of the deepest step of a TTT unroll of depth ``depth`` (EAGLE-3, docs/design.md):
 queries against the step-1 trunk (packed causal) and depth-1 branch keys per position, forward and
 backward with a random output gradient, on ``num_sequences`` equal sequences packed into T tokens.
 Methods:

@@ -8,7 +8,7 @@ TTT step j the query anchored at packed position t sees, in one softmax:
   across a ``cu_seqlens`` boundary);
 - the *branch*: the keys/values of steps 2..j at the same anchor t (J = j - 1 of them: a diagonal).
 
-The two parts are computed apart and merged exactly by log-sum-exp (DESIGN.md, "Merge partial"):
+The two parts are computed apart and merged exactly by log-sum-exp (docs/design.md, "Merge partial"):
     lse = logaddexp(lse_trunk, lse_branch)
     out = exp(lse_trunk - lse) * out_trunk + exp(lse_branch - lse) * out_branch
 so that a context-parallel ring (cospec/parallel) can replace `trunk_attention` with a ring pass,

@@ -5,9 +5,9 @@
 
 A zigzag rank holds two chunks of every sequence (cospec/parallel/zigzag.py). The ring computes on
 the *halves layout*: [N, H, S, D], sequence n's first local chunk at rows [0, c_n) and its second at
-[cmax, cmax + c_n); rows past c_n in each half are padding (``valid``). The zigzag case analysis of
-DESIGN.md then becomes plain slicing: "first half of a block" is rows [:cmax], "second local chunk"
-rows [cmax:]. Blocks of different sequences never meet (block-diagonal masking for packed input).
+[cmax, cmax + c_n); rows past c_n in each half are padding (``valid``). The zigzag case analysis
+(docs/design.md, "Context parallel") then becomes plain slicing: "first half of a block" is rows
+[:cmax], "second local chunk" rows [cmax:]. Blocks of different sequences never meet (block-diagonal masking for packed input).
 
 The kernel is plain PyTorch so it runs on CPU and CUDA alike. Scores are materialised for at most
 ``QUERY_TILE`` query rows at a time (flash-attention style recomputation in the backward from the
@@ -119,7 +119,7 @@ def block_backward(do_NHQD: Tensor, q_NHQD: Tensor, k_NHkvKD: Tensor, v_NHkvKD: 
                    lse_NHQ: Tensor, delta_NHQ: Tensor, mask_NQK: Tensor,
                    scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """Gradients of one block's share of a softmax whose *final* (merged) lse and
-    delta = rowsum(dO * O) are given (DESIGN.md, ring backward): (dq, dk, dv), same shapes as inputs.
+    delta = rowsum(dO * O) are given (docs/design.md, "Context parallel"): (dq, dk, dv), same shapes as inputs.
 
     p = exp(s - lse); dv = p^T dO; dp = dO v^T; ds = p * (dp - delta); dq = ds k * scale;
     dk = ds^T q * scale. Rows with dO = 0 (padding) contribute nothing.

@@ -5,7 +5,7 @@
 
 Computes exactly `cospec.models.branch_attention.trunk_branch_attention`, sharded: every rank holds
 its zigzag part (cospec/parallel/zigzag.py) of q, the trunk k/v and the branch k/v, and gets its part
-of (out, lse). DESIGN.md "Context parallel: zigzag ring attention" and "EAGLE-3 ... TTT":
+of (out, lse). docs/design.md, "Context parallel: zigzag ring attention" and "EAGLE-3 training-time test":
 
 Forward, one ring pass of the trunk K/V (branch K/V never leave the rank, no all-gather anywhere):
 1. At step s rank r holds the K/V block of rank j = (r - s) mod cp. The transfer of the next block
@@ -20,7 +20,7 @@ Forward, one ring pass of the trunk K/V (branch K/V never leave the rank, no all
 Backward (custom autograd Function, recomputing scores from the saved merged out and lse):
 5. dq accumulates locally; the K/V blocks travel the ring again and their dk/dv accumulators travel
    with them, each rank adding its share, and arrive back at their owner after cp hops.
-6. Branch gradients locally from the merged lse (DESIGN.md branch-backward formulas).
+6. Branch gradients locally from the merged lse (docs/design.md, "Branch backward").
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def _ring_backward(ring: _Ring, do_NHSD: Tensor, q_NHSD: Tensor, kv_2HkvLD: Tens
 
 
 def branch_backward(do_HLD, q_HLD, bk_JHkvLD, bv_JHkvLD, out_HLD, lse_HL, scale):
-    """Step 6 (DESIGN.md): w_i = exp(s_i - L); ds_i = w_i <dO, v_i - O>; dq += ds_i scale k_i;
+    """Step 6 (docs/design.md, "Branch backward"): w_i = exp(s_i - L); ds_i = w_i <dO, v_i - O>; dq += ds_i scale k_i;
     dk_i += ds_i scale q; dv_i += w_i dO. Returns (dq [H, L, D], dk, dv [J, Hkv, L, D])."""
     H, L, D = q_HLD.shape
     J, Hkv = bk_JHkvLD.shape[:2]

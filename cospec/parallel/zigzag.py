@@ -1,4 +1,4 @@
-"""Zigzag sharding of packed sequences for context parallelism (DESIGN.md, "Context parallel").
+"""Zigzag sharding of packed sequences for context parallelism (docs/design.md, "Context parallel").
 
 # N sequences, T packed tokens, P padded packed tokens, L local tokens per rank (P / cp)
 

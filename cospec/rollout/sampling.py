@@ -4,7 +4,7 @@
 
 The sampling distribution of a row is ``softmax(warp_logits(logits, temperature, top_k, top_p))``.
 `warp_logits` is a pure function so that lossless speculative sampling can warp the policy's p and
-the draft's q identically (DESIGN.md: "sampling parameters not applied to p" is a known bug).
+the draft's q identically (docs/design.md, "Lossless speculative sampling": warping only one side is a known bug).
 
 Order of the warps (HF transformers' and vLLM's): temperature, then top-k, then top-p on the
 distribution top-k left. Removed tokens get logit -inf; at least one token always survives.
