@@ -250,24 +250,26 @@ _BLOCK_TENSOR = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)")
 _OUR_LAYER_TENSOR = re.compile(r"layers\.(\d+)\.(.+)\.(weight|bias)")
 
 
-def _our_name(name: str) -> str:
-    """Our name of a llama.cpp tensor; an unknown one is kept, for the mismatch error to name."""
-    if m := _BLOCK_TENSOR.fullmatch(name):
-        block, module, kind = m.groups()
-        if module in _BLOCK_NAMES:
-            return f"layers.{block}.{_BLOCK_NAMES[module]}.{kind}"
+def _rename(name: str, layer_pattern: re.Pattern, layer_prefix: str, blocks: dict[str, str],
+            tops: dict[str, str]) -> str:
+    """A tensor name through one direction of the name tables; an unknown name is kept, for the
+    mismatch error to name."""
+    if m := layer_pattern.fullmatch(name):
+        layer, module, kind = m.groups()
+        if module in blocks:
+            return f"{layer_prefix}.{layer}.{blocks[module]}.{kind}"
     stem, _, kind = name.rpartition(".")
-    return f"{_TOP_NAMES[stem]}.{kind}" if stem in _TOP_NAMES else name
+    return f"{tops[stem]}.{kind}" if stem in tops else name
+
+
+def _our_name(name: str) -> str:
+    """Our name of a llama.cpp tensor."""
+    return _rename(name, _BLOCK_TENSOR, "layers", _BLOCK_NAMES, _TOP_NAMES)
 
 
 def _gguf_name(name: str) -> str:
     """llama.cpp's name of one of our tensors (the inverse of `_our_name`, for error messages)."""
-    if m := _OUR_LAYER_TENSOR.fullmatch(name):
-        layer, module, kind = m.groups()
-        if module in _OUR_BLOCK_NAMES:
-            return f"blk.{layer}.{_OUR_BLOCK_NAMES[module]}.{kind}"
-    stem, _, kind = name.rpartition(".")
-    return f"{_OUR_TOP_NAMES[stem]}.{kind}" if stem in _OUR_TOP_NAMES else name
+    return _rename(name, _OUR_LAYER_TENSOR, "blk", _OUR_BLOCK_NAMES, _OUR_TOP_NAMES)
 
 
 def _half_split_rows(w: Tensor, num_heads: int) -> Tensor:
