@@ -101,7 +101,8 @@ def cmd_demo(args) -> int:
         _print_accuracy(start.sft_metrics)
     draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
                                    data=TaskData.from_config(cfg.task, start.tokenizer))
-    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES), policy=policy, draft=draft, show=False)
+    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES), policy=policy, draft=draft,
+                                 tokenizer=start.tokenizer, show=False)
     out = Path(cfg.out_dir)
     bench = out / "rollout.json"
     report = write_report([out / "stale-draft" / m for m in DEMO_MODES], out / "report",

@@ -65,20 +65,21 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
     from cospec.starting_policy import load_policy
 
     out = Path(out)
-    tokenizer = load_tokenizer(cfg.model)
     last = latest_checkpoint(Path(cfg.out_dir) / "rl" / "checkpoints")
     if last is not None:
         ckpt = load_checkpoint(last, device=device)
         policy, draft, source = ckpt["policy"], ckpt["draft"], str(last)
+        tokenizer = load_tokenizer(cfg.model)
     else:
-        policy, source = load_policy(cfg, device).policy, cfg.model.path or f"{cfg.out_dir}/sft"
+        start = load_policy(cfg, device)  # its tokenizer too: loaded once
+        policy, tokenizer, source = start.policy, start.tokenizer, cfg.model.path or f"{cfg.out_dir}/sft"
         saved = draft_dir(cfg, "eagle3")
         draft = load_draft(saved, device=device) if saved.exists() else None
-    written = {}
-    export_policy(policy, tokenizer, out / "policy", max_position_embeddings=context_length(cfg))
+    written, context = {}, context_length(cfg)
+    export_policy(policy, tokenizer, out / "policy", max_position_embeddings=context)
     written["policy"] = out / "policy"
     if isinstance(draft, Eagle3Draft):
-        export_eagle3(draft, out / "draft_eagle3", max_position_embeddings=context_length(cfg))
+        export_eagle3(draft, out / "draft_eagle3", max_position_embeddings=context)
         written["draft_eagle3"] = out / "draft_eagle3"
     print(f"exported from {source}: " + ", ".join(f"{k} -> {v}" for k, v in written.items()))
     return written

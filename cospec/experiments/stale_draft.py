@@ -118,8 +118,9 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 
 
 def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
-            draft=None, show: bool = True) -> dict:
-    """Run the modes (making or reusing the starting policy and the offline draft unless given)."""
+            draft=None, tokenizer=None, show: bool = True) -> dict:
+    """Run the modes (making or reusing the starting policy and the offline draft unless given;
+    a given policy comes with its tokenizer, or the run's is loaded)."""
     from cospec.data.prompts import TaskData
     from cospec.draft.offline import load_or_train_draft
     from cospec.models.loading import load_tokenizer
@@ -130,7 +131,7 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     if policy is None:
         start = load_policy(cfg, pick_device(cfg.device))
         policy, tokenizer = start.policy, start.tokenizer
-    else:
+    elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
     if draft is None:
         draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
