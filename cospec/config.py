@@ -289,9 +289,20 @@ class RolloutConfig:
     adaptive: bool = True
     #: adaptive: after this many steps at gamma = 0, draft once to refresh the acceptance estimate
     probe_every: int = 16
+    #: weight dtype of the engine's copies of the policy and the draft: "" (model.dtype), "float32"
+    #: or "bfloat16". Training keeps model.dtype; the copies are cast at every weight sync (as RL
+    #: stacks run vLLM in bf16 beside an fp32 trainer). On CPUs with AMX, bf16 makes a forward of
+    #: 5 tokens cost about one token's (docs/results/real_model.md)
+    dtype: str = ""
+    #: the overshoot diagnostics (q above p on drafted tokens) sum every this many drafting steps
+    #: (they read p and q over the whole vocabulary: costly at large batch and vocabulary)
+    overshoot_every: int = 4
 
     def __post_init__(self) -> None:
         _check(1 <= self.gamma <= 16, "rollout.gamma", f"must be in [1, 16], got {self.gamma}")
+        _check(self.overshoot_every >= 1, "rollout.overshoot_every", "must be >= 1")
+        _check(self.dtype in ("", "float32", "bfloat16"), "rollout.dtype",
+               f"must be empty (model.dtype), float32 or bfloat16, got {self.dtype!r}")
         _check(self.probe_every > 0, "rollout.probe_every", "must be positive")
 
 
@@ -596,7 +607,7 @@ def smollm2_math() -> RunConfig:
         "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 128,
                   "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
-        "rollout": {"speculative": True, "gamma": 4, "adaptive": True},
+        "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6,
                  "checkpoint_every": 2, "eval_every": 5, "eval_prompts": 32},
     })

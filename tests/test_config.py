@@ -37,6 +37,7 @@ def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
     ("sampling.top_p=1.5", "sampling.top_p"),
     ("sampling.temperature=-1", "sampling.temperature"),
     ("sft.steps=0", "sft.steps"),
+    ("rollout.dtype=float16", "rollout.dtype"),
     ("model.num_layers=two", "model.num_layers"),
     ("model.no_such_field=1", "model.no_such_field"),
     ("task.families=copy,nope_family_is_checked_by_the_suite,copy", "task.families"),

@@ -230,3 +230,23 @@ def test_a_frozen_embedding_stays_the_policys_while_the_rest_of_the_draft_trains
     assert torch.equal(draft.embed_tokens.weight, policy.embed_tokens.weight)
     assert not torch.equal(draft.lm_head.weight, policy.lm_head.weight)
     assert not draft.embed_tokens.weight.requires_grad
+
+
+def test_a_bf16_inference_copy_casts_the_weights_and_keeps_the_vocabulary_ids():
+    """rollout.dtype=bfloat16: the engine's draft is a bf16 copy; its head's policy ids stay
+    integers, the trained draft is untouched, and the copy still drafts ids of its head only."""
+    from cospec.models.loading import inference_copy
+
+    torch.manual_seed(0)
+    policy = Transformer(resolve("tiny").model)
+    draft = Eagle3Draft.from_policy(policy, vocab_ids=torch.tensor([0, 2, 5, 9, 17]))
+    copy = inference_copy(draft, "bfloat16")
+    assert copy.lm_head.weight.dtype == torch.bfloat16 and not copy.lm_head.weight.requires_grad
+    assert copy.vocab_ids.dtype == torch.long and torch.equal(copy.vocab_ids, draft.vocab_ids)
+    assert draft.lm_head.weight.dtype == torch.float32 and not copy.training
+    policy_copy = inference_copy(policy, "bfloat16")
+    assert policy_copy.config.dtype == "bfloat16" and policy.config.dtype == "float32"
+    tokens = torch.randint(0, policy.config.vocab_size, (2, 6))
+    out = policy_copy(tokens, tap_layers=copy.tap_layers)
+    logits = copy.full_vocab_logits(copy(tokens, copy.project(out.taps)).logits)
+    assert set(logits.argmax(-1).flatten().tolist()) <= {0, 2, 5, 9, 17}

@@ -155,6 +155,26 @@ def test_plain_and_speculative_rl_rollouts_agree(tmp_path, mode):
     assert p_value > 1e-3, (table, p_value)
 
 
+def test_bf16_rollouts_beside_fp32_training_get_the_trained_weights_rounded(tmp_path):
+    """rollout.dtype=bfloat16: the engine runs on bf16 copies of the policy and the co-trained
+    draft, training stays in fp32, and each sync hands the engine the trained weights rounded to
+    bf16; the trainer's logprobs differ from the rollouts' by that rounding only (measured, small)."""
+    _, spec = trainers_plain_and_speculative(tmp_path, "rollout.dtype=bfloat16", "draft.mode=cotrain")
+    assert next(spec.rollout_policy.parameters()).dtype == torch.bfloat16
+    assert next(spec.rollout_draft.parameters()).dtype == torch.bfloat16
+    assert next(spec.policy.parameters()).dtype == torch.float32
+    batch = spec.generate()
+    spec.score(batch)
+    spec.compute_advantages(batch)
+    m = spec.train_policy(batch)
+    spec.train_draft()
+    spec.sync_weights()
+    for trained, engine in [(spec.policy, spec.rollout_policy), (spec.draft, spec.rollout_draft)]:
+        for (name, a), b in zip(trained.named_parameters(), engine.parameters()):
+            assert torch.equal(b, a.detach().to(torch.bfloat16)), name
+    assert 0 < m["mismatch_mean_abs_logprob"] < 0.05
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_path, monkeypatch):

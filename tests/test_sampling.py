@@ -1,4 +1,4 @@
-"""Specification of cospec.rollout.sampling: warping, the exponential-race draw, logprobs.
+"""Specification of cospec.rollout.sampling: warping, the inverse-CDF draw, logprobs.
 
 The statistical tests draw 20000 tokens from a fixed 6-token distribution with a seeded generator and
 run a chi-square goodness-of-fit test (p > 1e-3 to pass); `test_chi_square_detects_...` shows the same
@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from torch.distributions import Chi2
 
 from cospec.config import SamplingConfig
-from cospec.rollout.sampling import probs_from_logits, sample, sample_tokens, warp_logits
+from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample, sample_tokens,
+                                     sampling_logprobs_NV, warp_logits)
 
 LOGITS_V = torch.tensor([2.0, 1.5, 0.5, 0.0, -0.5, -1.0])
 NUM_DRAWS = 20_000
@@ -99,10 +100,20 @@ def test_chi_square_detects_a_sampler_that_ignores_the_warp(sampling):
     assert chi_square_pvalue(draw_counts(sampling), unwarped) < 1e-6
 
 
-def test_exponential_race_follows_the_given_probabilities():
+def test_inverse_cdf_draw_follows_the_given_probabilities():
     probs = torch.tensor([0.5, 0.0, 0.3, 0.2])
     ids = sample(probs.expand(NUM_DRAWS, -1), torch.Generator().manual_seed(1))
     assert chi_square_pvalue(torch.bincount(ids, minlength=4).double(), probs) > 1e-3
+
+
+def test_draw_from_unnormalised_rows_never_picks_a_zero_probability_token():
+    # The residual max(0, p - q) of verification is drawn from without normalising it; zeros at
+    # both ends of the vocabulary must never be drawn (the interval of a zero is empty).
+    weights = torch.tensor([0.0, 0.06, 0.0, 0.18, 0.06, 0.0])
+    ids = sample(weights.expand(NUM_DRAWS, -1), torch.Generator().manual_seed(6))
+    counts = torch.bincount(ids, minlength=6).double()
+    assert counts[[0, 2, 5]].sum() == 0
+    assert chi_square_pvalue(counts[[1, 3, 4]], weights[[1, 3, 4]] / weights.sum()) > 1e-3
 
 
 def test_logprob_is_under_the_sampling_distribution():
@@ -111,6 +122,23 @@ def test_logprob_is_under_the_sampling_distribution():
     ids, logprobs = sample_tokens(logits, sampling, torch.Generator().manual_seed(3))
     probs = probs_from_logits(logits, 0.7, 4, 0.9)
     assert torch.allclose(logprobs, probs.gather(-1, ids[:, None])[:, 0].log(), atol=1e-6)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(temperature=0.7, top_k=4, top_p=0.9),
+                                      SamplingConfig(temperature=1.3), SamplingConfig(temperature=0.0)],
+                         ids=["warped", "plain", "greedy"])
+def test_the_distribution_warped_once_gives_the_probs_and_logprobs_of_the_two_warp_path(sampling):
+    logits = torch.randn(4, 8, 9, generator=torch.Generator().manual_seed(7)) * 3
+    ids = torch.randint(0, 9, (4, 8), generator=torch.Generator().manual_seed(8))
+    dist = SamplingDistribution(logits, sampling)
+    probs = probs_from_logits(logits.view(32, 9), sampling.temperature, sampling.top_k,
+                              sampling.top_p).view(4, 8, 9)
+    torch.testing.assert_close(dist.probs, probs)
+    torch.testing.assert_close(dist.prob_of(ids[:, :5]), probs[:, :5].gather(-1, ids[:, :5, None])[..., 0])
+    rows, positions = torch.tensor([2, 0, 3]), torch.tensor([7, 1, 1])
+    torch.testing.assert_close(dist.row(rows, positions), probs[rows, positions])
+    expected = sampling_logprobs_NV(logits.view(32, 9), sampling).gather(-1, ids.view(32, 1)).view(4, 8)
+    torch.testing.assert_close(dist.logprobs(ids), expected)
 
 
 def test_greedy_picks_the_argmax_with_the_raw_logprob():

@@ -84,3 +84,24 @@ def test_greedy_one_hot_distributions_accept_exactly_while_draft_equals_argmax()
 def test_mis_shaped_inputs_are_rejected():
     with pytest.raises(ValueError, match="verify needs"):
         verify_drafts(torch.rand(2, 3, 5), torch.rand(2, 3, 5), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_a_head_only_q_and_a_once_warped_p_verify_exactly_as_their_written_out_forms():
+    """The engine hands verification q over a reduced head (`HeadProbs`) and p as warped logits
+    (`SamplingDistribution`); with the same random stream the verdicts are those of the full
+    [N, G(+1), V] probability tensors."""
+    from cospec.config import SamplingConfig
+    from cospec.rollout.sampling import SamplingDistribution
+    from cospec.rollout.verify import HeadProbs
+
+    gen = torch.Generator().manual_seed(3)
+    N, G, V, ids = 2000, 3, 7, torch.tensor([1, 3, 4])
+    head = (torch.randn(N, G, 3, generator=gen) * 2).softmax(-1)
+    dense_q = torch.zeros(N, G, V).index_copy(-1, ids, head)
+    drafts = ids[sample(head.reshape(-1, 3), gen).view(N, G)]
+    p = SamplingDistribution(torch.randn(N, G + 1, V, generator=gen) * 2, SamplingConfig(temperature=0.8))
+    a = verify_drafts(p, HeadProbs(head, ids, V), drafts, torch.Generator().manual_seed(5))
+    b = verify_drafts(p.probs, dense_q, drafts, torch.Generator().manual_seed(5))
+    assert torch.equal(a.num_accepted, b.num_accepted) and torch.equal(a.tokens, b.tokens)
+    assert set(a.next_token.tolist()) - set(ids.tolist())  # ids off the head are emitted too
+    torch.testing.assert_close(HeadProbs(head, ids, V).probs, dense_q)

@@ -82,14 +82,15 @@ class Timer:
 
 
 def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_size: int,
-                     gamma: int, repeats: int, seed: int = 0, stop_ids=(EOS,)) -> dict:
+                     gamma: int, repeats: int, seed: int = 0, stop_ids=(EOS,),
+                     overshoot_every: int = 1) -> dict:
     device = next(policy.parameters()).device
     controller = AdaptiveGamma(gamma)
+    spec = dict(batch_size=batch_size, gamma=gamma, stop_ids=stop_ids, overshoot_every=overshoot_every)
     engines = {
         "plain": GenerationEngine(policy, batch_size=batch_size, stop_ids=stop_ids),
-        "spec": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma, stop_ids=stop_ids),
-        "adaptive": SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=gamma,
-                                      controller=controller, stop_ids=stop_ids),
+        "spec": SpeculativeEngine(policy, draft, **spec),
+        "adaptive": SpeculativeEngine(policy, draft, controller=controller, **spec),
     }
     timers = {k: Timer() for k in engines}
     with torch.inference_mode():
@@ -146,11 +147,11 @@ def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=Non
     return tokens / seconds
 
 
-def load_hf_pair(policy_dir, draft_lm_dir, gamma: int):
+def load_hf_pair(policy_dir, draft_lm_dir, gamma: int, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM
 
-    hf_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=torch.float32).eval()
-    hf_draft = AutoModelForCausalLM.from_pretrained(draft_lm_dir, dtype=torch.float32).eval()
+    hf_policy = AutoModelForCausalLM.from_pretrained(policy_dir, dtype=dtype).eval()
+    hf_draft = AutoModelForCausalLM.from_pretrained(draft_lm_dir, dtype=dtype).eval()
     hf_draft.generation_config.num_assistant_tokens = gamma
     hf_draft.generation_config.num_assistant_tokens_schedule = "constant"
     return hf_policy, hf_draft
@@ -173,6 +174,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
     from cospec.config import apply
     from cospec.draft.offline import draft_dir, load_or_train_draft
+    from cospec.models.loading import inference_copy
     from cospec.starting_policy import load_policy, pick_device
 
     device = pick_device(cfg.device)
@@ -180,19 +182,23 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
     stops = data.tokenizer.stop_ids
     eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data)
+    if cfg.rollout.dtype:  # every method, HF's included, decodes at the rollout dtype
+        policy, eagle = inference_copy(policy, cfg.rollout.dtype), inference_copy(eagle, cfg.rollout.dtype)
+        cfg = apply(cfg, {"model": {"dtype": cfg.rollout.dtype}})
     gamma, repeats = cfg.rollout.gamma, 1 if quick else 3
     s = cfg.sampling
     sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               max_new_tokens=s.max_new_tokens)
     print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
           f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {gamma}, temperature "
-          f"{s.temperature}, workload {workload}, threads {torch.get_num_threads()}, device {device}")
+          f"{s.temperature}, workload {workload}, dtype {cfg.model.dtype}, threads {torch.get_num_threads()}, device {device}")
     rows = []
     for B in batch_sizes:
         prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1),
                                workload=workload, data=data)
         rows.append(bench_batch_size(policy, eagle, prompts, sampling, batch_size=B, gamma=gamma,
-                                     repeats=repeats, stop_ids=stops))
+                                     repeats=repeats, stop_ids=stops,
+                                     overshoot_every=cfg.rollout.overshoot_every))
         print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     out = {"results": rows}
     if hf and cfg.model.path:  # a checkpoint: HF's plain sampling on the same file and prompts
@@ -215,12 +221,14 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
               f"(tau {same['accept_length']:.2f}): {same['spec_tok_s'] / out['hf_plain_tok_s']:.2f}x HF")
     elif hf:
         lm_cfg = apply(cfg, {"draft": {"kind": "lm"}})
-        draft_lm, _ = load_or_train_draft(lm_cfg, policy)
+        draft_lm, _ = load_or_train_draft(lm_cfg, start.policy)
+        draft_lm = inference_copy(draft_lm, cfg.rollout.dtype)
         prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload, data=data)
         same = bench_batch_size(policy, draft_lm, prompts, sampling, batch_size=1, gamma=gamma,
                                 repeats=repeats, stop_ids=stops)
         # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
-        hf_policy, hf_draft = load_hf_pair(f"{cfg.out_dir}/sft", draft_dir(lm_cfg), gamma)
+        hf_policy, hf_draft = load_hf_pair(f"{cfg.out_dir}/sft", draft_dir(lm_cfg), gamma,
+                                           dtype=next(policy.parameters()).dtype)
         out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats)
         out["hf_assisted_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling,
                                                      assistant=hf_draft, repeats=repeats)

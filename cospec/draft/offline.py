@@ -27,6 +27,7 @@ from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
 from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
+from cospec.models.loading import inference_copy
 from cospec.rollout.engine import GenerationEngine
 
 
@@ -93,6 +94,8 @@ def sample_responses(cfg: RunConfig, policy: Transformer, data: TaskData, *,
     device = next(policy.parameters()).device
     sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
                               top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens)
+    if cfg.rollout.dtype:  # the answers rollouts would give (and faster to make)
+        policy = inference_copy(policy, cfg.rollout.dtype)
     engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size,
                               stop_ids=data.tokenizer.stop_ids)
     gen = torch.Generator(device=device).manual_seed(d.seed)

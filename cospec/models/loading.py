@@ -10,6 +10,7 @@ fp32 is a KV cache of 377 MB per row).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 from pathlib import Path
@@ -22,6 +23,19 @@ from cospec.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, check_v
 from cospec.models.llama import Transformer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def inference_copy(module: torch.nn.Module, dtype: str = "") -> torch.nn.Module:
+    """A copy of a model for generation only: eval mode, no gradients, floating weights in
+    ``dtype`` ("" keeps the module's; integer buffers such as a draft's vocabulary ids stay).
+    The rollout engine runs on such copies (``rollout.dtype``); a weight sync into one casts on
+    copy, so training keeps its own precision."""
+    target = copy.deepcopy(module).eval().requires_grad_(False)
+    if dtype:
+        target.to(DTYPES[dtype])
+        if dataclasses.is_dataclass(getattr(target, "config", None)) and hasattr(target.config, "dtype"):
+            target.config = dataclasses.replace(target.config, dtype=dtype)
+    return target
 
 
 def checkpoint_model_config(path: Path) -> ModelConfig:

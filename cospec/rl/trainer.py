@@ -35,6 +35,7 @@ from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
+from cospec.models.loading import inference_copy
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
@@ -90,9 +91,9 @@ class GRPOTrainer:
         self.owns_draft = group is None or group.owns_draft
         # The engine runs on its own copy of the policy (and of the draft), synced after updates
         # through the WeightSync seam; frozen and oracle drafts go through the same path.
-        self.rollout_policy = (copy.deepcopy(policy).eval().requires_grad_(False)
-                               if self.is_rollout_rank else None)
-        self.rollout_draft = (copy.deepcopy(draft).eval()
+        dtype = cfg.rollout.dtype
+        self.rollout_policy = inference_copy(policy, dtype) if self.is_rollout_rank else None
+        self.rollout_draft = (inference_copy(draft, dtype)
                               if draft is not None and self.is_rollout_rank else None)
         self.draft = draft  # the trainer's draft, updated by co-training (on its owner rank)
         self.draft_optimizer = None
@@ -168,7 +169,8 @@ class GRPOTrainer:
         if self.draft is None:
             raise ConfigError("rollout.speculative: needs a draft (cospec draft-train makes one)")
         return SpeculativeEngine(self.rollout_policy, self.rollout_draft, batch_size=batch, gamma=r.gamma,
-                                 adaptive=r.adaptive, probe_every=r.probe_every, stop_ids=stop_ids)
+                                 adaptive=r.adaptive, probe_every=r.probe_every, stop_ids=stop_ids,
+                                 overshoot_every=r.overshoot_every)
 
     # ------------------------------------------------------------------------- the named steps
 

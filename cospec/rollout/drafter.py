@@ -13,9 +13,11 @@ A drafter:
 - ``feature_size``: width of the stored per-entry feature (0: the draft reads none);
 - ``features(taps)``: policy taps [N, T, C] per layer -> per-entry features [N, T, F] (or None);
 - ``new_cache(batch_size, capacity)``: the draft's own KV cache;
-- ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, V], state [N, T, C]
-  or None): feed T entries per row; ``feats`` is the stored feature for catch-up entries and the
-  previous step's ``state`` for further draft steps.
+- ``vocab_ids``: the policy ids of the draft head's columns (EAGLE-3's reduced draft vocabulary),
+  or None when the head covers the whole vocabulary; q is zero off the head;
+- ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, Vd], state
+  [N, T, C] or None): feed T entries per row; logits over the head's columns; ``feats`` is the
+  stored feature for catch-up entries and the previous step's ``state`` for further draft steps.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class Eagle3Drafter:
         self.model = draft
         self.tap_layers = draft.tap_layers
         self.feature_size = draft.config.hidden_size
+        self.vocab_ids = draft.vocab_ids
 
     def features(self, taps: dict[int, Tensor]) -> Tensor:
         return self.model.project(taps)
@@ -47,9 +50,10 @@ class Eagle3Drafter:
                  num_valid_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         out = self.model(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
                          num_valid_B=num_valid_N)
-        # q over the policy's vocabulary: a reduced draft vocabulary's other ids get q = 0, so the
-        # draft never proposes them and the residual max(0, p - q) keeps their exact p.
-        return self.model.full_vocab_logits(out.logits), out.hidden
+        # Over the head's columns only: the engine warps and draws there and maps the draws to
+        # policy ids; the ids off the head have q = 0, so the residual max(0, p - q) keeps their
+        # exact p (`cospec.rollout.verify.HeadProbs`).
+        return out.logits, out.hidden
 
 
 class LMDrafter:
@@ -57,6 +61,7 @@ class LMDrafter:
 
     tap_layers: tuple[int, ...] = ()
     feature_size = 0
+    vocab_ids = None
 
     def __init__(self, lm: Transformer, policy_cfg=None):
         if policy_cfg is not None and lm.config.vocab_size != policy_cfg.vocab_size:

@@ -45,8 +45,9 @@ from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
                                    append_until_finished, prefill_slots, score_tokens)
-from cospec.rollout.sampling import probs_from_logits, sample, sample_tokens, sampling_logprobs_NV
-from cospec.rollout.verify import overshoot_sums, verify_drafts
+from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
+                                     sample_tokens)
+from cospec.rollout.verify import DenseProbs, HeadProbs, head_index, overshoot_sums, verify_drafts
 
 
 @dataclass
@@ -63,7 +64,8 @@ class SpeculationStats:
     forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
     plain_decode_estimate_seconds: what plain decoding of the same tokens would have cost by the
         cost model (each step's tau rows-tokens at verify(N, 1) per token); None without a cost model.
-    overshoot_by_position[j], over all drafted tokens x at position j+1 (p, q as sampled):
+    overshoot_by_position[j], over the drafted tokens x at position j+1 of every overshoot_every-th
+        drafting step (p, q as sampled):
         log_q_over_p = mean log q(x) - log p(x) (p floored at 1e-12), frac_q_above_p = share with
         q(x) > p(x), mass = mean sum_v max(0, q(v) - p(v)) (= TV(p, q) = 1 - acceptance probability).
     """
@@ -104,18 +106,27 @@ class SpeculativeEngine(GenerationEngine):
     gamma: drafted tokens per step (fixed), or the most the adaptive controller may pick.
     adaptive: pick gamma per step (`AdaptiveGamma`); ``controller`` may be given to share a cost
         model and acceptance estimate across engines or runs. Costs are calibrated on first use.
+    overshoot_every: the overshoot diagnostics (`SpeculationStats.overshoot_by_position`) sum
+        every this many drafting steps: they read q and p over the whole vocabulary, 3 passes
+        over [N, G, V] floats, which at batch 64 and a 49K vocabulary is most of a step's
+        sampling work.
     """
 
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
                  max_seq_len: int | None = None, stop_ids: Collection[int] | None = (EOS,),
-                 controller: AdaptiveGamma | None = None, probe_every: int = 16):
+                 controller: AdaptiveGamma | None = None, probe_every: int = 16,
+                 overshoot_every: int = 1):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
         # Spare slots: room for the G+1 tokens a verify writes past the committed length.
         super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, stop_ids=stop_ids,
                          spare_slots=gamma)
         self.drafter = make_drafter(draft, model.config)
-        self.gamma = gamma
+        ids = getattr(self.drafter, "vocab_ids", None)
+        self.head_index_V = None if ids is None else head_index(ids, model.config.vocab_size)
+        if overshoot_every < 1:
+            raise ValueError(f"overshoot_every must be >= 1, got {overshoot_every}")
+        self.gamma, self.overshoot_every = gamma, overshoot_every
         self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.capacity + gamma))
         self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
                                          if adaptive else None)
@@ -142,6 +153,7 @@ class SpeculativeEngine(GenerationEngine):
             self.stats.plain_decode_estimate_seconds = 0.0
         # Overshoot sums per draft position, kept on the device: [log q/p, q > p, mass, count].
         self._overshoot = torch.zeros(4, self.gamma, dtype=torch.float64, device=self.seq_BS.device)
+        self._steps_drafted = 0
         result = super().generate(prompts, sampling, generator=generator, progress=progress)
         sums = self._overshoot.tolist()
         self.stats.overshoot_by_position = [
@@ -230,7 +242,7 @@ class SpeculativeEngine(GenerationEngine):
         n_N = torch.tensor([self.n[s] for s in active], device=device)
         t0 = _now(self.seq_BS)
         if gamma > 0:
-            draft_NG, q_NGV = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
+            draft_NG, q = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
         t1 = _now(self.seq_BS)
         pending_N = self.seq_BS[rows_N, n_N]
         tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
@@ -238,17 +250,18 @@ class SpeculativeEngine(GenerationEngine):
                            tap_layers=self.drafter.tap_layers)
         t2 = _now(self.seq_BS)
         N, T, V = out.logits.shape
+        dist = SamplingDistribution(out.logits, sampling)  # warped once
         if gamma == 0:
-            ids_N, _ = sample_tokens(out.logits[:, 0], sampling, generator)
+            ids_N = (out.logits[:, 0].argmax(-1) if sampling.temperature == 0
+                     else sample(dist.probs[:, 0], generator))
             num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
         else:
-            p = probs_from_logits(out.logits.reshape(N * T, V), sampling.temperature,
-                                  sampling.top_k, sampling.top_p).view(N, T, V)
-            verdict = verify_drafts(p, q_NGV, draft_NG, generator)
-            self._add_overshoot(p[:, :gamma], q_NGV, draft_NG)
+            verdict = verify_drafts(dist, q, draft_NG, generator)
+            self._steps_drafted += 1
+            if self._steps_drafted % self.overshoot_every == 0:
+                self._add_overshoot(dist.probs[:, :gamma], q.probs, draft_NG)
             num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
-        logprobs_NT = sampling_logprobs_NV(out.logits.reshape(N * T, V), sampling).view(N, T, V)
-        logprobs_NT = logprobs_NT.gather(-1, emitted_NT[..., None])[..., 0]
+        logprobs_NT = dist.logprobs(emitted_NT)
         # Histories: tokens at n+1.., the features of positions n.. at entries n+1..
         cols_NT = n_N[:, None] + 1 + torch.arange(T, device=device)
         self.seq_BS[rows_N[:, None], cols_NT] = emitted_NT
@@ -267,7 +280,7 @@ class SpeculativeEngine(GenerationEngine):
 
     def _draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
         """Catch the draft up on every unseen entry, then draft `gamma` tokens per row.
-        Returns (drafts long [N, G], q fp32 [N, G, V])."""
+        Returns (drafts long [N, G] in policy ids, q: `DenseProbs` or `HeadProbs` [N, G, V])."""
         device = self.seq_BS.device
         e_N = torch.tensor([self.e[s] for s in active], device=device)
         width_N = n_N - e_N + 1  # entries e..n, n being the pending token's
@@ -281,9 +294,15 @@ class SpeculativeEngine(GenerationEngine):
         logits_NV, state_NC = logits[last], None if state is None else state[last]
         self._single_steps_start = _now(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
         drafts, qs = [], []
+        ids = getattr(self.drafter, "vocab_ids", None)
         for j in range(gamma):
+            # Warped and drawn over the head's columns; the same distribution as over the whole
+            # vocabulary with q = 0 off the head (masked ids never enter top-k, carry no top-p
+            # mass, and take no width in the inverse CDF).
             q_NV = probs_from_logits(logits_NV, sampling.temperature, sampling.top_k, sampling.top_p)
             x_N = sample(q_NV, generator)
+            if ids is not None:
+                x_N = ids[x_N]
             drafts.append(x_N)
             qs.append(q_NV)
             if j + 1 < gamma:
@@ -294,7 +313,10 @@ class SpeculativeEngine(GenerationEngine):
         self.draft_cache.truncate(n_N + 1, rows_t)  # drop the speculative entries
         for s in active:
             self.e[s] = self.n[s] + 1
-        return torch.stack(drafts, 1), torch.stack(qs, 1)
+        q_NGD = torch.stack(qs, 1)
+        q = (DenseProbs(q_NGD) if ids is None
+             else HeadProbs(q_NGD, ids, self.model.config.vocab_size, self.head_index_V))
+        return torch.stack(drafts, 1), q
 
     def _account(self, active, gamma, ks, draft_s, verify_s) -> None:
         st = self.stats

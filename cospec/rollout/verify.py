@@ -18,7 +18,7 @@ Greedy (temperature 0) needs no special case: p and q are one-hot, so x_i is acc
 is the policy's argmax, and r is the policy's argmax.
 
 Everything stays on the device, without a sync: the acceptance test is ``u * q(x) < p(x)`` (no
-division; q(x) > 0 since x was drawn from q) and the draws use the exponential race of
+division; q(x) > 0 since x was drawn from q) and the draws use the inverse-CDF draw of
 `cospec.rollout.sampling.sample`, which needs no normalisation of r.
 """
 
@@ -44,27 +44,89 @@ class Verdict:
     tokens: Tensor
 
 
-def verify_drafts(p_probs_NG1V: Tensor, q_probs_NGV: Tensor, draft_NG: Tensor,
+class DenseProbs:
+    """Probabilities written out in full, [N, P, V], read the way `verify_drafts` reads p and q."""
+
+    def __init__(self, probs_NPV: Tensor):
+        self.probs, self.shape = probs_NPV, tuple(probs_NPV.shape)
+
+    def prob_of(self, ids_NP: Tensor) -> Tensor:
+        return self.probs[:, :ids_NP.shape[1]].gather(-1, ids_NP[..., None])[..., 0]
+
+    def row(self, rows_N: Tensor, positions_N: Tensor) -> Tensor:
+        return self.probs[rows_N, positions_N]
+
+
+class HeadProbs:
+    """q of a draft whose head covers only ``vocab_ids`` (EAGLE-3's reduced draft vocabulary):
+    probabilities [N, G, Vd] over those ids, zero for every other id of the policy's V.
+
+    Drafting works in the head's Vd columns (warp, softmax and draw: 6x less at 8K of 49K); the
+    V-wide distribution is written out for one position per row only, where verification draws
+    from the residual max(0, p - q). ``head_index_V``: the head column of each policy id, -1 off
+    the head (`head_index`), passed in by an engine that drafts many steps with the same head.
+    """
+
+    def __init__(self, probs_NGD: Tensor, vocab_ids: Tensor, vocab_size: int,
+                 head_index_V: Tensor | None = None):
+        self.head_probs, self.vocab_ids = probs_NGD, vocab_ids
+        self.head_index_V = head_index(vocab_ids, vocab_size) if head_index_V is None else head_index_V
+        self.shape = (*probs_NGD.shape[:2], vocab_size)
+
+    def prob_of(self, ids_NP: Tensor) -> Tensor:
+        col = self.head_index_V[ids_NP]
+        probs = self.head_probs[:, :ids_NP.shape[1]].gather(-1, col.clamp(min=0)[..., None])[..., 0]
+        return torch.where(col >= 0, probs, 0.0)
+
+    def row(self, rows_N: Tensor, positions_N: Tensor) -> Tensor:
+        head = self.head_probs[rows_N, positions_N]
+        return head.new_zeros(head.shape[0], self.shape[-1]).index_copy_(-1, self.vocab_ids, head)
+
+    @property
+    def probs(self) -> Tensor:
+        """[N, G, V] written out (the overshoot diagnostics need the whole of q)."""
+        full = self.head_probs.new_zeros(self.shape)
+        return full.index_copy_(-1, self.vocab_ids, self.head_probs)
+
+
+def head_index(vocab_ids: Tensor, vocab_size: int) -> Tensor:
+    """long [V]: for each policy id its column in a head over ``vocab_ids``, -1 when off the head."""
+    index = torch.full((vocab_size,), -1, dtype=torch.long, device=vocab_ids.device)
+    index[vocab_ids] = torch.arange(len(vocab_ids), device=vocab_ids.device)
+    return index
+
+
+def verify_drafts(p_probs_NG1V, q_probs_NGV, draft_NG: Tensor,
                   generator: torch.Generator | None = None) -> Verdict:
-    """Steps 3-4 above for a batch of rows; all G drafts of a row are judged in one go."""
-    N, G, V = q_probs_NGV.shape
-    if p_probs_NG1V.shape != (N, G + 1, V) or draft_NG.shape != (N, G):
+    """Steps 3-4 above for a batch of rows; all G drafts of a row are judged in one go.
+
+    p and q: probability tensors ([N, G+1, V] and [N, G, V]) or objects that read like them
+    (`DenseProbs`, `HeadProbs`, `cospec.rollout.sampling.SamplingDistribution`): only the
+    probabilities of the drafted tokens and one whole row per sequence are read.
+    """
+    p = DenseProbs(p_probs_NG1V) if isinstance(p_probs_NG1V, Tensor) else p_probs_NG1V
+    q = DenseProbs(q_probs_NGV) if isinstance(q_probs_NGV, Tensor) else q_probs_NGV
+    N, G, V = q.shape
+    if tuple(p.shape) != (N, G + 1, V) or tuple(draft_NG.shape) != (N, G):
         raise ValueError(f"verify needs p [N, G+1, V], q [N, G, V], drafts [N, G]; got "
-                         f"{tuple(p_probs_NG1V.shape)}, {tuple(q_probs_NGV.shape)}, {tuple(draft_NG.shape)}")
-    p_draft = p_probs_NG1V[:, :G].gather(-1, draft_NG[..., None])[..., 0]  # p_i(x_i)
-    q_draft = q_probs_NGV.gather(-1, draft_NG[..., None])[..., 0]  # q_i(x_i)
-    u = torch.rand(N, G, device=q_probs_NGV.device, generator=generator)
+                         f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft_NG.shape)}")
+    p_draft = p.prob_of(draft_NG)  # p_i(x_i)
+    q_draft = q.prob_of(draft_NG)  # q_i(x_i)
+    u = torch.rand(N, G, device=draft_NG.device, generator=generator)
     accept_NG = u * q_draft < p_draft  # probability min(1, p/q)
     num_accepted = accept_NG.long().cumprod(-1).sum(-1)  # length of the accepted prefix
-    # The distribution of the token after the prefix: r_i at a rejection (i < G), p_G after all G.
-    residual_NGV = (p_probs_NG1V[:, :G] - q_probs_NGV).clamp(min=0)
-    candidates = torch.cat([residual_NGV, p_probs_NG1V[:, G:]], dim=1)  # [N, G+1, V]
+    # The distribution of the token after the prefix: r_k at a rejection (k < G), p_G after all G.
+    # Built for that one position of each row only ([N, V], not [N, G+1, V]: at batch 64 and a
+    # 49K vocabulary the difference is 12M floats written and read per step).
     rows = torch.arange(N, device=draft_NG.device)
-    weights_NV = candidates[rows, num_accepted]
+    p_next_NV = p.row(rows, num_accepted)
+    q_next_NV = q.row(rows, num_accepted.clamp(max=G - 1))
+    rejected_N1 = (num_accepted < G)[:, None]
+    weights_NV = torch.where(rejected_N1, (p_next_NV - q_next_NV).clamp(min=0), p_next_NV)
     # r has positive mass whenever a rejection can happen (p(x) < q(x) for the drafted x forces some
     # p(y) > q(y)); only rounding can empty it, and then p is the right fallback.
     empty = weights_NV.sum(-1, keepdim=True) <= 0
-    weights_NV = torch.where(empty, p_probs_NG1V[rows, num_accepted], weights_NV)
+    weights_NV = torch.where(empty, p_next_NV, weights_NV)
     next_token = sample(weights_NV, generator)
     tokens = torch.cat([draft_NG, draft_NG[:, :1]], dim=1).scatter(1, num_accepted[:, None],
                                                                  next_token[:, None])
