@@ -45,6 +45,7 @@ from torch import Tensor
 from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS, PAD
 from cospec.metrics.progress import progress_bar
+from cospec.rollout.host_memory import keep_freed_host_memory
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import sample_tokens
 
@@ -165,6 +166,8 @@ class GenerationEngine:
         if max_seq_len is not None and not 1 < max_seq_len <= model_len:
             raise ValueError(f"max_seq_len={max_seq_len} must be in [2, model.max_seq_len={model_len}]")
         self.model = model
+        if next(model.parameters()).device.type == "cpu":
+            keep_freed_host_memory()  # no page faults for the per-step vocabulary-wide tensors
         self.batch_size = batch_size
         self.stop_ids = frozenset(stop_ids or ())
         self.max_seq_len = max_seq_len or model_len
