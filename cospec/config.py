@@ -326,6 +326,10 @@ class GRPOConfig:
     clip_high: float = 0.28
     #: weight of the KL(policy || initial policy) penalty (0 = off; the KL is logged either way)
     kl_coef: float = 0.0
+    #: with kl_coef = 0, still forward the initial policy to log kl_from_init; false skips that
+    #: forward (a quarter of a policy step's compute) and logs kl_from_init as NaN. Single-process
+    #: and cp layouts (the pipeline always runs its reference pass)
+    log_kl: bool = True
     #: optimizer steps per rollout batch (the batch is split into this many minibatches)
     micro_steps: int = 1
     #: gradient clipping by global norm (0 = off)
@@ -357,6 +361,8 @@ class GRPOConfig:
         _check(0 <= self.clip_low < 1, "grpo.clip_low", f"must be in [0, 1), got {self.clip_low}")
         _check(self.clip_high >= 0, "grpo.clip_high", f"must be >= 0, got {self.clip_high}")
         _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0")
+        _check(self.log_kl or self.kl_coef == 0, "grpo.log_kl",
+               "may be false only with grpo.kl_coef=0 (the penalty needs the reference forward)")
         _check(self.grad_clip >= 0, "grpo.grad_clip", "must be >= 0")
         _check(self.micro_steps <= self.prompts_per_step * self.group_size, "grpo.micro_steps",
                "must not exceed the rollouts per step (prompts_per_step * group_size)")
@@ -608,7 +614,7 @@ def smollm2_math() -> RunConfig:
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 128,
                   "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
-        "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6,
+        "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6, "log_kl": False,
                  "checkpoint_every": 2, "eval_every": 5, "eval_prompts": 32},
     })
 

@@ -2,6 +2,7 @@
 lossless speculative rollouts inside RL, train/inference parity, and checkpoints that survive kills.
 """
 
+import copy
 import math
 import os
 import signal
@@ -89,6 +90,32 @@ def test_one_step_raises_the_probability_of_above_average_rollouts(tmp_path):
     after = [seq_logprob(c) for c in batch.completions]
     assert after[0] > before[0] and after[3] > before[3]
     assert after[1] < before[1] and after[2] < before[2]
+
+
+def test_without_the_kl_log_the_step_skips_the_reference_and_updates_the_policy_identically(tmp_path):
+    """grpo.log_kl=false at kl_coef=0: no reference model and no reference forward; the update is
+    the one the logged run makes, and kl_from_init says it was not measured (NaN), not 0."""
+    torch.manual_seed(0)
+    policy = Transformer(tiny_cfg().model)
+    logged = GRPOTrainer(tiny_cfg(f"out_dir={tmp_path}/a"), copy.deepcopy(policy), tensorboard=False)
+    skipped = GRPOTrainer(tiny_cfg(f"out_dir={tmp_path}/b", "grpo.log_kl=false"), copy.deepcopy(policy),
+                          tensorboard=False)
+    assert skipped.reference is None and logged.reference is not None
+    batch = logged.generate()
+    logged.score(batch)
+    logged.compute_advantages(batch)
+    a, b = logged.train_policy(batch), skipped.train_policy(batch)
+    for (name, x), y in zip(logged.policy.named_parameters(), skipped.policy.parameters()):
+        assert torch.equal(x, y), name
+    assert math.isfinite(a["kl_from_init"]) and math.isnan(b["kl_from_init"])
+    assert a["loss"] == b["loss"]
+
+
+def test_log_kl_off_with_a_kl_penalty_is_a_config_error():
+    from cospec.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grpo.log_kl"):
+        tiny_cfg("grpo.log_kl=false", "grpo.kl_coef=0.1")
 
 
 # ----------------------------------------------------------------------------- speculative RL

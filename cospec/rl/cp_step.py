@@ -67,8 +67,10 @@ class ContextParallelPolicyStep:
         positions = layout.local_positions(self.rank)[None]
         kwargs = dict(cu_seqlens=local.cu_seqlens, positions_BT=positions, attn_fn=self.attention)
         out = self.policy(local.tokens[None], tap_layers=tap_layers, **kwargs)
-        with torch.no_grad():
-            ref_logits = self.reference(local.tokens[None], **kwargs).logits[0]
+        ref_logits = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(local.tokens[None], **kwargs).logits[0]
         loss, sums = minibatch_terms(out.logits[0], ref_logits, local, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

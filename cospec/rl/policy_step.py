@@ -98,7 +98,7 @@ class PolicyMinibatch:
         return [self.sequences(a, b, index=i) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
 
 
-def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor, mb: PolicyMinibatch, *,
+def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor | None, mb: PolicyMinibatch, *,
                     temperature: float, clip_low: float, clip_high: float,
                     kl_coef: float) -> tuple[Tensor, Tensor]:
     """(loss, sums [K] in the order of `SUMS`) of the tokens of ``mb`` (or of a piece of it).
@@ -110,8 +110,11 @@ def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor, mb: PolicyMinibatc
     """
     m = mb.loss_mask
     logp = grpo.token_logprobs(logits_TV, mb.targets, temperature)
-    kl_T = grpo.kl_to_reference(logits_TV if kl_coef else logits_TV.detach(), ref_logits_TV,
-                                temperature)
+    if ref_logits_TV is None:  # no reference forward (grpo.log_kl=false): the KL is not measured
+        kl_T = torch.zeros_like(logp.detach())
+    else:
+        kl_T = grpo.kl_to_reference(logits_TV if kl_coef else logits_TV.detach(), ref_logits_TV,
+                                    temperature)
     out = grpo.clipped_policy_loss(logp, mb.old_logprobs, mb.advantages, m, clip_low=clip_low,
                                    clip_high=clip_high, kl_T=kl_T, kl_coef=kl_coef,
                                    num_tokens=mb.num_tokens)
@@ -120,8 +123,9 @@ def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor, mb: PolicyMinibatc
         clipped = ((ratio < 1 - clip_low) | (ratio > 1 + clip_high)).float()
         diff = (logp - mb.old_logprobs).abs()
         entropy = grpo.token_entropy(logits_TV, temperature)
+        kl_sum = (kl_T.detach() * m).sum() if ref_logits_TV is not None else m.sum() * float("nan")
         sums = torch.stack([out.loss.detach() * mb.num_tokens, m.sum(), (clipped * m).sum(),
-                            (kl_T.detach() * m).sum(), (entropy * m).sum(), (diff * m).sum(),
+                            kl_sum, (entropy * m).sum(), (diff * m).sum(),
                             (diff.exp() * m).sum()]).float()
     return out.loss, sums
 
@@ -138,7 +142,7 @@ def metrics_from_sums(sums: Tensor, grad_norm: float) -> dict:
 
 class LocalPolicyStep:
     """The policy step on one process: forward (with the draft's taps when asked), the reference
-    forward, loss, backward, clip, optimizer step. ``captured``: one `TTTBatch` (detached taps and
+    forward (none when ``reference`` is None), loss, backward, clip, optimizer step. ``captured``: one `TTTBatch` (detached taps and
     logits of this same forward: co-training costs no policy forward)."""
 
     def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
@@ -152,8 +156,10 @@ class LocalPolicyStep:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
         out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers)
-        with torch.no_grad():
-            ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
+        ref_logits = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
         loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -126,7 +126,8 @@ class GRPOTrainer:
             self.reference = build_stage(policy, **stage).eval().requires_grad_(False)
         else:
             self.policy = policy.train()
-            self.reference = copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
+            self.reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
+                              if g.log_kl or g.kl_coef else None)
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, betas=(0.9, 0.99),
                                            weight_decay=g.weight_decay)
         if group is None:
