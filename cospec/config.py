@@ -224,6 +224,9 @@ class DraftConfig:
     freeze_embedding: bool = False
     #: offline training (`cospec draft-train`): optimizer steps
     train_steps: int = 300
+    #: mixed precision of draft training (offline and co-training, and the policy forward that
+    #: makes the offline data): "" (off) or "bfloat16" (torch.autocast)
+    autocast: str = ""
     #: offline training: tokens per packed batch
     tokens_per_batch: int = 2048
     #: offline training: peak learning rate (AdamW, warmup then cosine)
@@ -259,6 +262,8 @@ class DraftConfig:
         _check(self.mode in ("frozen", "cotrain", "oracle"), "draft.mode",
                f"must be frozen, cotrain or oracle, got {self.mode!r}")
         _check(self.cotrain_every > 0, "draft.cotrain_every", "must be positive")
+        _check(self.autocast in ("", "bfloat16"), "draft.autocast",
+               f"must be empty (off) or bfloat16, got {self.autocast!r}")
         _check(self.cotrain_iters > 0, "draft.cotrain_iters", "must be positive")
         _check(self.cotrain_lr > 0, "draft.cotrain_lr", "must be positive")
         _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
@@ -326,6 +331,9 @@ class GRPOConfig:
     clip_high: float = 0.28
     #: weight of the KL(policy || initial policy) penalty (0 = off; the KL is logged either way)
     kl_coef: float = 0.0
+    #: mixed precision of the policy step's forwards: "" (off) or "bfloat16" (torch.autocast;
+    #: weights and optimizer state stay model.dtype). Single-process and cp layouts
+    autocast: str = ""
     #: with kl_coef = 0, still forward the initial policy to log kl_from_init; false skips that
     #: forward (a quarter of a policy step's compute) and logs kl_from_init as NaN. Single-process
     #: and cp layouts (the pipeline always runs its reference pass)
@@ -361,6 +369,8 @@ class GRPOConfig:
         _check(0 <= self.clip_low < 1, "grpo.clip_low", f"must be in [0, 1), got {self.clip_low}")
         _check(self.clip_high >= 0, "grpo.clip_high", f"must be >= 0, got {self.clip_high}")
         _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0")
+        _check(self.autocast in ("", "bfloat16"), "grpo.autocast",
+               f"must be empty (off) or bfloat16, got {self.autocast!r}")
         _check(self.log_kl or self.kl_coef == 0, "grpo.log_kl",
                "may be false only with grpo.kl_coef=0 (the penalty needs the reference forward)")
         _check(self.grad_clip >= 0, "grpo.grad_clip", "must be >= 0")
@@ -612,9 +622,11 @@ def smollm2_math() -> RunConfig:
                  "math_levels": [1]},
         "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 128,
-                  "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
+                  "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True,
+                  "autocast": "bfloat16"},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6, "log_kl": False,
+                 "autocast": "bfloat16",
                  "checkpoint_every": 2, "eval_every": 5, "eval_prompts": 32},
     })
 

@@ -111,6 +111,35 @@ def test_without_the_kl_log_the_step_skips_the_reference_and_updates_the_policy_
     assert a["loss"] == b["loss"]
 
 
+def test_a_bf16_autocast_policy_step_keeps_fp32_weights_and_matches_the_fp32_step(tmp_path):
+    """grpo.autocast=bfloat16: the forwards run in bf16 (AMX on CPU), weights and optimizer state
+    stay fp32; on the same batch the loss and the update agree with the fp32 step to bf16 precision
+    (the update's direction: cosine > 0.95), and co-training under draft.autocast trains the draft."""
+    torch.manual_seed(0)
+    policy = Transformer(tiny_cfg().model)
+    policy.reset_parameters(std=0.1)
+    draft = Eagle3Draft.from_policy(policy)
+    common = ["rollout.speculative=true", "rollout.adaptive=false", "draft.mode=cotrain"]
+    full = GRPOTrainer(tiny_cfg(f"out_dir={tmp_path}/a", *common), copy.deepcopy(policy),
+                       draft=copy.deepcopy(draft), tensorboard=False)
+    mixed = GRPOTrainer(tiny_cfg(f"out_dir={tmp_path}/b", "grpo.autocast=bfloat16",
+                                 "draft.autocast=bfloat16", *common),
+                        copy.deepcopy(policy), draft=copy.deepcopy(draft), tensorboard=False)
+    batch = full.generate()
+    full.score(batch)
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    full.compute_advantages(batch)
+    a, b = full.train_policy(batch), mixed.train_policy(batch)
+    assert all(p.dtype == torch.float32 for p in mixed.policy.parameters())
+    assert math.isclose(a["loss"], b["loss"], rel_tol=0.05, abs_tol=1e-3)
+    delta = lambda t: torch.cat([(p - q).flatten() for p, q in zip(t.policy.parameters(), policy.parameters())])  # noqa: E731
+    assert torch.nn.functional.cosine_similarity(delta(full), delta(mixed), dim=0) > 0.95
+    draft_before = [p.detach().clone() for p in mixed.draft.parameters()]
+    m = mixed.train_draft()
+    assert math.isfinite(m["draft_loss"])
+    assert any(not torch.equal(x, y) for x, y in zip(draft_before, mixed.draft.parameters()))
+
+
 def test_log_kl_off_with_a_kl_penalty_is_a_config_error():
     from cospec.config import ConfigError
 

@@ -21,8 +21,8 @@ from cospec.config import ModelConfig, RunConfig
 from cospec.data.model_files import resolve_model_path
 from cospec.data.tokenizer import CharTokenizer, HFTokenizer, Tokenizer, check_vocab
 from cospec.models.llama import Transformer
+from cospec.models.precision import DTYPES
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def inference_copy(module: torch.nn.Module, dtype: str = "") -> torch.nn.Module:

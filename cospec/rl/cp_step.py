@@ -28,6 +28,7 @@ from torch import Tensor
 
 from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTBatch, ttt_steps
+from cospec.models.precision import autocast
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
 from cospec.parallel.ring_attention import RingAttention
 from cospec.parallel.zigzag import ZigzagLayout
@@ -50,9 +51,9 @@ class ContextParallelPolicyStep:
     A collective over ``group``: every rank calls it with the same minibatch."""
 
     def __init__(self, policy, reference, optimizer, *, group, temperature: float, clip_low: float,
-                 clip_high: float, kl_coef: float, grad_clip: float):
+                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = ""):
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
-        self.group = group
+        self.group, self.autocast = group, autocast
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
         self.attention = RingAttention(group)
         self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
@@ -66,12 +67,13 @@ class ContextParallelPolicyStep:
         local = shard_minibatch(mb, layout, self.rank)
         positions = layout.local_positions(self.rank)[None]
         kwargs = dict(cu_seqlens=local.cu_seqlens, positions_BT=positions, attn_fn=self.attention)
-        out = self.policy(local.tokens[None], tap_layers=tap_layers, **kwargs)
-        ref_logits = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(local.tokens[None], **kwargs).logits[0]
-        loss, sums = minibatch_terms(out.logits[0], ref_logits, local, **self.loss_kwargs)
+        with autocast(self.autocast, device):
+            out = self.policy(local.tokens[None], tap_layers=tap_layers, **kwargs)
+            ref_logits = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(local.tokens[None], **kwargs).logits[0]
+            loss, sums = minibatch_terms(out.logits[0], ref_logits, local, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         all_reduce_grads(self.policy, self.group)

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from cospec.data.packing import pack_examples
 from cospec.draft.ttt import TTTBatch
+from cospec.models.precision import autocast
 from cospec.rl import grpo
 
 #: the statistics a step sums over its tokens (a tensor, so one all-reduce carries all of them)
@@ -146,8 +147,9 @@ class LocalPolicyStep:
     logits of this same forward: co-training costs no policy forward)."""
 
     def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
-                 clip_high: float, kl_coef: float, grad_clip: float):
+                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = ""):
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
+        self.autocast = autocast
         self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
                                 kl_coef=kl_coef)
         self.grad_clip = grad_clip
@@ -155,12 +157,13 @@ class LocalPolicyStep:
     def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
-        out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers)
-        ref_logits = None
-        if self.reference is not None:
-            with torch.no_grad():
-                ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
-        loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
+        with autocast(self.autocast, device):
+            out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers)
+            ref_logits = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
+            loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)

@@ -36,6 +36,7 @@ from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.models.loading import inference_copy
+from cospec.models.precision import autocast
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
@@ -67,6 +68,9 @@ def check_rl_config(cfg: RunConfig) -> None:
     if s.temperature == 0:
         raise ConfigError("sampling.temperature: must be > 0 for RL (greedy rollouts have no "
                           "group variance to learn from)")
+    if cfg.grpo.autocast and cfg.parallel.pp > 1:
+        raise ConfigError("grpo.autocast: not supported with parallel.pp > 1 yet (the pipeline's "
+                          "stages run their forwards in model.dtype)")
 
 
 class GRPOTrainer:
@@ -131,7 +135,8 @@ class GRPOTrainer:
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, betas=(0.9, 0.99),
                                            weight_decay=g.weight_decay)
         if group is None:
-            self.policy_step = LocalPolicyStep(self.policy, self.reference, self.optimizer, **kwargs)
+            self.policy_step = LocalPolicyStep(self.policy, self.reference, self.optimizer,
+                                               autocast=g.autocast, **kwargs)
         elif pp > 1:
             taps = self.draft.tap_layers if self.draft is not None and cfg.draft.mode == "cotrain" else ()
             self.policy_step = PipelinedPolicyStep(
@@ -155,7 +160,7 @@ class GRPOTrainer:
             from cospec.rl.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
 
             self.policy_step = ContextParallelPolicyStep(self.policy, self.reference, self.optimizer,
-                                                         group=None, **kwargs)
+                                                         group=None, autocast=g.autocast, **kwargs)
             cp_loss = ContextParallelDraftLoss(group=None)
             self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
         self.weight_sync = InProcessWeightSync(self.rollout_policy) if self.is_rollout_rank else None
@@ -249,10 +254,11 @@ class GRPOTrainer:
         data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
         for _ in range(d.cotrain_iters):
             for batch in data:
-                loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
-                                                decay=d.ttt_decay,
-                                                temperature=self.cfg.sampling.temperature,
-                                                tv_weight=d.tv_weight)
+                with autocast(d.autocast, self.device):
+                    loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
+                                                    decay=d.ttt_decay,
+                                                    temperature=self.cfg.sampling.temperature,
+                                                    tv_weight=d.tv_weight)
                 self.draft_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.reduce_draft_grads is not None:  # cp: the ranks' shares -> the whole gradient
