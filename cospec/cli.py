@@ -177,10 +177,14 @@ def measure_speculation(cfg: RunConfig, policy, draft, data: TaskData, *, num_pr
     from cospec.rollout.engine import GenerationEngine
     from cospec.rollout.speculative import SpeculativeEngine
 
+    from cospec.models.loading import inference_copy
+
     rng = random.Random(seed)
     prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]
     device = next(policy.parameters()).device
     B, s, stops = cfg.sampling.batch_size, cfg.sampling, data.tokenizer.stop_ids
+    if cfg.rollout.dtype:  # as rollouts run
+        policy, draft = inference_copy(policy, cfg.rollout.dtype), inference_copy(draft, cfg.rollout.dtype)
     spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma, stop_ids=stops).generate(
         prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
     plain = GenerationEngine(policy, batch_size=B, stop_ids=stops).generate(

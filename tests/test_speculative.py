@@ -228,6 +228,30 @@ def synthetic_costs(batch_sizes=(1, 8, 64), gamma_max=4):
     return cost
 
 
+class AlwaysPlain(AdaptiveGamma):
+    """A controller that never drafts (what the adaptive one does where speculation cannot pay)."""
+
+    def choose(self, n: int) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_adaptive_engine_at_gamma_0_samples_the_plain_engines_tokens_bit_for_bit(policy, temperature):
+    """At gamma 0 a step is the plain engine's step: same forward, same draw from the same
+    generator, so the same tokens and the same logprobs, not only the same distribution."""
+    prompts = make_prompts(PROMPT_LENGTHS)
+    sampling = SamplingConfig(temperature=temperature, max_new_tokens=12)
+    draft = drafts_for(policy)["eagle3"]
+    plain = GenerationEngine(policy, batch_size=4).generate(
+        prompts, sampling, generator=torch.Generator().manual_seed(9))
+    ctl = AlwaysPlain(4, synthetic_costs())
+    spec = SpeculativeEngine(policy, draft, batch_size=4, gamma=4, controller=ctl)
+    out = spec.generate(prompts, sampling, generator=torch.Generator().manual_seed(9))
+    assert [c.tokens for c in out.completions] == [c.tokens for c in plain.completions]
+    assert [c.logprobs for c in out.completions] == [c.logprobs for c in plain.completions]
+    assert out.stats.gamma_counts == {0: out.stats.gamma_counts[0]}
+
+
 def test_adaptive_controller_turns_speculation_off_for_a_useless_draft():
     ctl = AdaptiveGamma(4, synthetic_costs(), probe_every=1000)
     for _ in range(50):

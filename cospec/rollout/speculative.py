@@ -250,18 +250,17 @@ class SpeculativeEngine(GenerationEngine):
                            tap_layers=self.drafter.tap_layers)
         t2 = _now(self.seq_BS)
         N, T, V = out.logits.shape
-        dist = SamplingDistribution(out.logits, sampling)  # warped once
-        if gamma == 0:
-            ids_N = (out.logits[:, 0].argmax(-1) if sampling.temperature == 0
-                     else sample(dist.probs[:, 0], generator))
-            num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
+        if gamma == 0:  # the plain engine's draw, to the bit: same tokens for the same generator
+            ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
+            num_accepted, emitted_NT, logprobs_NT = torch.zeros_like(ids_N), ids_N[:, None], logprobs_N[:, None]
         else:
+            dist = SamplingDistribution(out.logits, sampling)  # warped once
             verdict = verify_drafts(dist, q, draft_NG, generator)
             self._steps_drafted += 1
             if self._steps_drafted % self.overshoot_every == 0:
                 self._add_overshoot(dist.probs[:, :gamma], q.probs, draft_NG)
             num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
-        logprobs_NT = dist.logprobs(emitted_NT)
+            logprobs_NT = dist.logprobs(emitted_NT)
         # Histories: tokens at n+1.., the features of positions n.. at entries n+1..
         cols_NT = n_N[:, None] + 1 + torch.arange(T, device=device)
         self.seq_BS[rows_N[:, None], cols_NT] = emitted_NT
