@@ -19,6 +19,7 @@ import torch
 from cospec import config as config_mod
 from cospec.config import ConfigError, RunConfig
 from cospec.data.prompts import TaskData
+from cospec.metrics.run_log import finite_or_none
 from cospec.starting_policy import load_or_train_sft, load_policy, pick_device
 
 
@@ -109,8 +110,24 @@ def cmd_demo(args) -> int:
                           bench_json=bench if bench.exists() else None, config=cfg.to_dict(),
                           commands=["cospec demo " + " ".join(args.overrides)])
     print(demo_summary(result["summary"]))
-    print(f"report: {report}")
+    (out / "summary.json").write_text(json.dumps(finite_or_none(demo_summary_data(result["summary"])),
+                                                 indent=1))
+    print(f"report: {report}; summary: {out / 'summary.json'}")
     return 0
+
+
+DEMO_SUMMARY_FIELDS = {"reward_start": "reward_first", "reward_end": "reward_last",
+                       "tau_start": "tau_first", "tau_end": "tau_last",
+                       "rollout_speedup": "rollout_speedup_vs_none",
+                       "end_to_end_speedup": "e2e_speedup_vs_none", "cotrain_share": "train_draft_share"}
+
+
+def demo_summary_data(summary: dict) -> dict:
+    """{mode: {reward_start, reward_end, tau_start, tau_end, rollout_speedup, end_to_end_speedup,
+    cotrain_share}}: the demo's table as data (None where a mode has no such figure: plain
+    rollouts have no tau)."""
+    return {mode: {name: r.get(key) for name, key in DEMO_SUMMARY_FIELDS.items()}
+            for mode, r in summary.items()}
 
 
 def demo_summary(summary: dict) -> str:

@@ -224,9 +224,6 @@ class DraftConfig:
     freeze_embedding: bool = False
     #: offline training (`cospec draft-train`): optimizer steps
     train_steps: int = 300
-    #: mixed precision of draft training (offline and co-training, and the policy forward that
-    #: makes the offline data): "" (off) or "bfloat16" (torch.autocast)
-    autocast: str = ""
     #: offline training: tokens per packed batch
     tokens_per_batch: int = 2048
     #: offline training: peak learning rate (AdamW, warmup then cosine)
@@ -262,8 +259,6 @@ class DraftConfig:
         _check(self.mode in ("frozen", "cotrain", "oracle"), "draft.mode",
                f"must be frozen, cotrain or oracle, got {self.mode!r}")
         _check(self.cotrain_every > 0, "draft.cotrain_every", "must be positive")
-        _check(self.autocast in ("", "bfloat16"), "draft.autocast",
-               f"must be empty (off) or bfloat16, got {self.autocast!r}")
         _check(self.cotrain_iters > 0, "draft.cotrain_iters", "must be positive")
         _check(self.cotrain_lr > 0, "draft.cotrain_lr", "must be positive")
         _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
@@ -621,9 +616,8 @@ def smollm2_math() -> RunConfig:
         "task": {"source": "math", "verifier": "math", "math_types": ["add", "sub", "mul"],
                  "math_levels": [1]},
         "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
-        "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 128,
-                  "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True,
-                  "autocast": "bfloat16"},
+        "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 512,
+                  "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6, "log_kl": False,
                  "autocast": "bfloat16",

@@ -1,5 +1,7 @@
 """The `cospec` command: config errors exit 2 naming the field; sft and demo run end to end."""
 
+import json
+
 import pytest
 
 from cospec.cli import main
@@ -24,6 +26,13 @@ def test_sft_then_demo_reuses_the_checkpoint_and_ends_with_report_and_summary(tm
     for mode in ("none", "frozen", "cotrain-ce"):
         assert any(line.strip().startswith(mode) for line in printed.splitlines()), mode
     assert "co-training share" in printed and (out / "report" / "report.html").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"none", "frozen", "cotrain-ce"}
+    fields = {"reward_start", "reward_end", "tau_start", "tau_end", "rollout_speedup",
+              "end_to_end_speedup", "cotrain_share"}
+    assert all(set(row) == fields for row in summary.values())
+    assert summary["none"]["tau_start"] is None and summary["none"]["end_to_end_speedup"] == 1.0
+    assert all(summary[m][f] is not None for m in ("frozen", "cotrain-ce") for f in fields)
 
 
 TINY = ["--recipe", "tiny", "sft.steps=3", "sft.warmup_steps=1", "sft.eval_prompts_per_family=2",

@@ -39,7 +39,6 @@ def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
     ("sft.steps=0", "sft.steps"),
     ("rollout.dtype=float16", "rollout.dtype"),
     ("grpo.autocast=float16", "grpo.autocast"),
-    ("draft.autocast=fp8", "draft.autocast"),
     ("model.num_layers=two", "model.num_layers"),
     ("model.no_such_field=1", "model.no_such_field"),
     ("task.families=copy,nope_family_is_checked_by_the_suite,copy", "task.families"),

@@ -28,7 +28,6 @@ from cospec.metrics.progress import progress_bar
 from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
 from cospec.models.loading import inference_copy
-from cospec.models.precision import autocast
 from cospec.rollout.engine import GenerationEngine
 
 
@@ -120,7 +119,7 @@ def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
             used += len(encoded[end][0]) - 1
             end += 1
         packed = pack_examples(encoded[start:end])
-        with torch.no_grad(), autocast(d.autocast, device):
+        with torch.no_grad():
             out = policy(packed.tokens.to(device), cu_seqlens=packed.cu_seqlens.to(device),
                          tap_layers=taps)
         logits = out.logits[0]
@@ -162,7 +161,6 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
                             weight_decay=0.0)
     order = random.Random(d.seed)
     history, last = [], {}
-    device = next(draft.parameters()).device
     draft.train()
     t1 = time.perf_counter()
     with progress_bar(progress, d.train_steps, "draft-train") as advance:
@@ -171,12 +169,11 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
                 g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),
                                 total=d.train_steps, min_ratio=0.1)
             batch = batches[order.randrange(len(batches))]
-            with autocast(d.autocast, device):
-                if isinstance(draft, Eagle3Draft):
-                    loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                          temperature=cfg.sampling.temperature)
-                else:
-                    loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
+            if isinstance(draft, Eagle3Draft):
+                loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                      temperature=cfg.sampling.temperature)
+            else:
+                loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

@@ -36,7 +36,6 @@ from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
 from cospec.metrics.run_log import RunLog
 from cospec.models.loading import inference_copy
-from cospec.models.precision import autocast
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
@@ -254,11 +253,12 @@ class GRPOTrainer:
         data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
         for _ in range(d.cotrain_iters):
             for batch in data:
-                with autocast(d.autocast, self.device):
-                    loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
-                                                    decay=d.ttt_decay,
-                                                    temperature=self.cfg.sampling.temperature,
-                                                    tv_weight=d.tv_weight)
+                # fp32 even under grpo.autocast: TTT training in bf16 autocast does not learn
+                # (acceptance 0.17 vs 0.56 after 80 steps; docs/results/real_model.md)
+                loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
+                                                decay=d.ttt_decay,
+                                                temperature=self.cfg.sampling.temperature,
+                                                tv_weight=d.tv_weight)
                 self.draft_optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 if self.reduce_draft_grads is not None:  # cp: the ranks' shares -> the whole gradient
