@@ -336,7 +336,7 @@ def cmd_experiment(args) -> int:
     unknown = [m for m in modes if m not in stale_draft.MODES]
     if unknown:
         raise ConfigError(f"--modes: unknown {unknown} (known: {', '.join(stale_draft.MODES)})")
-    stale_draft.run_cli(cfg, modes=modes, out_dir=args.out)
+    stale_draft.run_cli(cfg, modes=modes, out_dir=args.out, adaptive=args.adaptive)
     return 0
 
 
@@ -414,6 +414,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("what", choices=["stale-draft"])
     e.add_argument("--modes", default="none,frozen,cotrain-ce,cotrain-tv",
                    help="comma-separated: none, frozen, cotrain-ce, cotrain-tv, oracle")
+    e.add_argument("--adaptive", action="store_true",
+                   help="keep rollout.adaptive (default: gamma fixed at rollout.gamma, so tau is "
+                        "comparable across steps and modes; adaptive measures the speed users get)")
     e.add_argument("--out", default=None,
                    help="where the JSON and plots go (default out_dir/stale-draft); the SFT policy "
                         "and the offline draft are still made or reused in out_dir")

@@ -132,3 +132,25 @@ def test_torchrun_runs_distributed_grpo_from_the_command_line(tmp_path, layout):
     rows = [json.loads(line) for line in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all("accept_length" in r for r in rows)
     assert (out / "rl" / "checkpoints" / "latest").exists()
+
+
+def test_the_stale_draft_modes_build_on_a_cotraining_recipe_and_adaptive_is_kept_on_request(tmp_path):
+    """A recipe whose draft.mode is cotrain (smollm2-math's) still builds the plain mode, and
+    --adaptive keeps rollout.adaptive (gamma is otherwise fixed so tau compares across modes)."""
+    import torch
+
+    from cospec.config import resolve
+    from cospec.experiments.stale_draft import make_trainer
+    from cospec.models.draft import Eagle3Draft
+    from cospec.models.llama import Transformer
+
+    cfg = resolve("tiny", overrides=["draft.mode=cotrain", "rollout.speculative=true",
+                                     "rollout.adaptive=true"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    draft = Eagle3Draft.from_policy(policy)
+    plain = make_trainer(cfg, "none", policy, draft, tmp_path)
+    assert not plain.cfg.rollout.speculative
+    fixed = make_trainer(cfg, "cotrain-ce", policy, draft, tmp_path)
+    adaptive = make_trainer(cfg, "cotrain-ce", policy, draft, tmp_path, adaptive=True)
+    assert not fixed.cfg.rollout.adaptive and adaptive.cfg.rollout.adaptive

@@ -10,7 +10,8 @@ The same seeded RL run (same SFT policy, same prompt stream, same rollout seeds)
                    draft.oracle_every steps: the upper bound co-training should approach
 Speculation is lossless, so reward curves must agree up to sampling noise; tau per step shows the
 draft's freshness; the policy's KL from its start shows how far it moved. Gamma is fixed
-(rollout.gamma, adaptive off) so tau is comparable across steps and modes. Paired step times give
+(rollout.gamma, adaptive off) so tau is comparable across steps and modes; ``--adaptive`` keeps
+rollout.adaptive, for the rollout speed users get. Paired step times give
 the end-to-end speedup of each mode over `none` measured, not estimated.
 
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
@@ -30,7 +31,7 @@ from cospec.metrics.report import summarise
 from cospec.metrics.run_log import finite_or_none
 
 MODES = {
-    "none": {"rollout": {"speculative": False}},
+    "none": {"rollout": {"speculative": False}, "draft": {"mode": "frozen"}},  # (no draft is used)
     "frozen": {"rollout": {"speculative": True}, "draft": {"mode": "frozen"}},
     "cotrain-ce": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 0.0}},
     "cotrain-tv": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 1.0}},
@@ -40,11 +41,13 @@ COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain-ce": "tab:orange",
           "cotrain-tv": "tab:green", "oracle": "tab:red"}  # one color per mode in every plot
 
 
-def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path, tokenizer=None):
+def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path, tokenizer=None, *,
+                 adaptive: bool = False):
     from cospec.rl.trainer import GRPOTrainer
 
     mcfg = apply(cfg, {**MODES[mode], "out_dir": str(out / mode)})
-    mcfg = apply(mcfg, {"rollout": {"adaptive": False}})
+    if not adaptive:
+        mcfg = apply(mcfg, {"rollout": {"adaptive": False}})
     return GRPOTrainer(mcfg, copy.deepcopy(policy),
                        draft=copy.deepcopy(draft) if mcfg.rollout.speculative else None,
                        tokenizer=tokenizer, out_dir=str(out / mode), tensorboard=False)
@@ -118,7 +121,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 
 
 def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
-            draft=None, tokenizer=None, show: bool = True) -> dict:
+            draft=None, tokenizer=None, show: bool = True, adaptive: bool = False) -> dict:
     """Run the modes (making or reusing the starting policy and the offline draft unless given;
     a given policy comes with its tokenizer, or the run's is loaded)."""
     from cospec.data.prompts import TaskData
@@ -139,7 +142,7 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
-        trainers[mode] = make_trainer(cfg, mode, policy, draft, out, tokenizer)
+        trainers[mode] = make_trainer(cfg, mode, policy, draft, out, tokenizer, adaptive=adaptive)
     runs = run_lockstep(trainers, cfg.grpo.steps, out)
     result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
     (out / "stale_draft.json").write_text(json.dumps(finite_or_none(result), indent=1))
