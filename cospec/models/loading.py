@@ -33,7 +33,8 @@ def inference_copy(module: torch.nn.Module, dtype: str = "") -> torch.nn.Module:
     target = copy.deepcopy(module).eval().requires_grad_(False)
     if dtype:
         target.to(DTYPES[dtype])
-        if dataclasses.is_dataclass(getattr(target, "config", None)) and hasattr(target.config, "dtype"):
+        config = getattr(target, "config", None)
+        if dataclasses.is_dataclass(config) and hasattr(config, "dtype"):
             target.config = dataclasses.replace(target.config, dtype=dtype)
     return target
 

@@ -143,8 +143,9 @@ def metrics_from_sums(sums: Tensor, grad_norm: float) -> dict:
 
 class LocalPolicyStep:
     """The policy step on one process: forward (with the draft's taps when asked), the reference
-    forward (none when ``reference`` is None), loss, backward, clip, optimizer step. ``captured``: one `TTTBatch` (detached taps and
-    logits of this same forward: co-training costs no policy forward)."""
+    forward (none when ``reference`` is None), loss, backward, clip, optimizer step.
+    ``captured``: one `TTTBatch` (detached taps and logits of this same forward: co-training
+    costs no policy forward). ``autocast``: the forwards' mixed precision (`grpo.autocast`)."""
 
     def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
                  clip_high: float, kl_coef: float, grad_clip: float, autocast: str = ""):

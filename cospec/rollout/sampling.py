@@ -129,7 +129,8 @@ class SamplingDistribution:
     def prob_of(self, ids_NP: Tensor) -> Tensor:
         """fp32 [N, P]: the probability of ids_NP[:, t] at position t, for the first P positions."""
         P = ids_NP.shape[1]
-        return (self.warped[:, :P].gather(-1, ids_NP[..., None]) - self.log_norm_NT1[:, :P])[..., 0].exp()
+        logits_NP = self.warped[:, :P].gather(-1, ids_NP[..., None])[..., 0]
+        return (logits_NP - self.log_norm_NT1[:, :P, 0]).exp()
 
     def row(self, rows_N: Tensor, positions_N: Tensor) -> Tensor:
         """fp32 [N, V]: the whole distribution of row rows_N[i] at position positions_N[i]."""

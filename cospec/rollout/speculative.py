@@ -122,7 +122,8 @@ class SpeculativeEngine(GenerationEngine):
         super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, stop_ids=stop_ids,
                          spare_slots=gamma)
         self.drafter = make_drafter(draft, model.config)
-        ids = getattr(self.drafter, "vocab_ids", None)
+        # The policy ids of a reduced draft head's columns (None: the head covers the vocabulary)
+        self.draft_vocab_ids = ids = getattr(self.drafter, "vocab_ids", None)
         self.head_index_V = None if ids is None else head_index(ids, model.config.vocab_size)
         if overshoot_every < 1:
             raise ValueError(f"overshoot_every must be >= 1, got {overshoot_every}")
@@ -252,7 +253,8 @@ class SpeculativeEngine(GenerationEngine):
         N, T, V = out.logits.shape
         if gamma == 0:  # the plain engine's draw, to the bit: same tokens for the same generator
             ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
-            num_accepted, emitted_NT, logprobs_NT = torch.zeros_like(ids_N), ids_N[:, None], logprobs_N[:, None]
+            num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
+            logprobs_NT = logprobs_N[:, None]
         else:
             dist = SamplingDistribution(out.logits, sampling)  # warped once
             verdict = verify_drafts(dist, q, draft_NG, generator)
@@ -292,8 +294,7 @@ class SpeculativeEngine(GenerationEngine):
         last = torch.arange(len(active), device=device), width_N - 1
         logits_NV, state_NC = logits[last], None if state is None else state[last]
         self._single_steps_start = _now(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
-        drafts, qs = [], []
-        ids = getattr(self.drafter, "vocab_ids", None)
+        drafts, qs, ids = [], [], self.draft_vocab_ids
         for j in range(gamma):
             # Warped and drawn over the head's columns; the same distribution as over the whole
             # vocabulary with q = 0 off the head (masked ids never enter top-k, carry no top-p
