@@ -59,3 +59,19 @@ def test_every_figure_loads_in_headless_chromium(report):
     loaded = re.search(r'data-images-loaded="(\d+)"', dom)
     assert total and loaded, dom[:500]
     assert int(total.group(1)) == len(FIGURES) == int(loaded.group(1))
+
+
+def test_the_summary_compares_rollouts_per_generated_token_as_well_as_per_step():
+    """Speculative and plain runs sample different answers: a run whose answers are half as long
+    looks 2x faster per step; per generated token it is as fast."""
+    from cospec.metrics.report import summarise
+
+    def step(i, generate_s, tok_s):
+        return {"step": i, "reward": 0.5, "kl_from_init": 0.0, "step_seconds": generate_s + 10.0,
+                "time": {"generate": generate_s}, "time_share": {}, "rollout_tok_s": tok_s}
+
+    runs = {"none": [step(i, 20.0, 100.0) for i in range(1, 4)],
+            "frozen": [step(i, 10.0, 100.0) for i in range(1, 4)]}
+    row = summarise(runs)["frozen"]
+    assert row["rollout_speedup_vs_none"] == 2.0
+    assert row["rollout_tok_s"] == 100.0 and row["rollout_tok_s_speedup_vs_none"] == 1.0

@@ -151,17 +151,32 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
                "kl_last": mean([m["kl_from_init"] for m in hist[-k:]]),
                "step_seconds": mean([m["step_seconds"] for m in timed[mode]]),
                "generate_seconds": mean([m["time"]["generate"] for m in timed[mode]]),
-               "train_draft_share": mean([m["time_share"].get("train_draft", 0.0) for m in timed[mode]])}
+               "train_draft_share": mean([m["time_share"].get("train_draft", 0.0) for m in timed[mode]]),
+               # Per generated token: speculative and plain runs sample different answers (other
+               # random numbers), so seconds per step also compare their lengths.
+               "rollout_tok_s": _tokens_per_second(timed[mode])}
         if "accept_length" in hist[0]:
             row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
             row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
             row["tau_retained"] = row["tau_last"] / row["tau_first"]
         if base_step:
             row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
+            base_tok_s = _tokens_per_second(timed["none"])
+            if base_tok_s and row["rollout_tok_s"]:
+                row["rollout_tok_s_speedup_vs_none"] = row["rollout_tok_s"] / base_tok_s
             row["rollout_speedup_vs_none"] = (mean([m["time"]["generate"] for m in timed["none"]])
                                               / row["generate_seconds"])
         out[mode] = row
     return out
+
+
+def _tokens_per_second(hist: list[dict]) -> float | None:
+    """Generated tokens over generation seconds across the given steps (None without the figures)."""
+    steps = [m for m in hist if m.get("rollout_tok_s") and m["time"].get("generate")]
+    if not steps:
+        return None
+    seconds = sum(m["time"]["generate"] for m in steps)
+    return sum(m["rollout_tok_s"] * m["time"]["generate"] for m in steps) / seconds
 
 
 def _cell(v) -> str:
