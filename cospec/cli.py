@@ -191,10 +191,9 @@ def measure_speculation(cfg: RunConfig, policy, draft, data: TaskData, *, num_pr
                         seed: int = 4321):
     """Speculative generation of held-out task prompts at the config's sampling and gamma:
     (result, plain result) on the same prompts, for a quick look at tau and speedup."""
+    from cospec.models.loading import inference_copy
     from cospec.rollout.engine import GenerationEngine
     from cospec.rollout.speculative import SpeculativeEngine
-
-    from cospec.models.loading import inference_copy
 
     rng = random.Random(seed)
     prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]

@@ -191,7 +191,8 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
                               max_new_tokens=s.max_new_tokens)
     print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
           f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {gamma}, temperature "
-          f"{s.temperature}, workload {workload}, dtype {cfg.model.dtype}, threads {torch.get_num_threads()}, device {device}")
+          f"{s.temperature}, workload {workload}, dtype {cfg.model.dtype}, "
+          f"threads {torch.get_num_threads()}, device {device}")
     rows = []
     for B in batch_sizes:
         prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1),

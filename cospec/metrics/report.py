@@ -144,6 +144,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
     # Times leave out step 1, which pays each trainer's one-time warm-up.
     timed = {mode: hist[1:] or hist for mode, hist in runs.items()}
     base_step = mean([m["step_seconds"] for m in timed["none"]]) if "none" in runs else None
+    base_tok_s = _tokens_per_second(timed["none"]) if "none" in runs else None
     out = {}
     for mode, hist in runs.items():
         row = {"reward_first": mean([m["reward"] for m in hist[:k]]),
@@ -161,7 +162,6 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             row["tau_retained"] = row["tau_last"] / row["tau_first"]
         if base_step:
             row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
-            base_tok_s = _tokens_per_second(timed["none"])
             if base_tok_s and row["rollout_tok_s"]:
                 row["rollout_tok_s_speedup_vs_none"] = row["rollout_tok_s"] / base_tok_s
             row["rollout_speedup_vs_none"] = (mean([m["time"]["generate"] for m in timed["none"]])

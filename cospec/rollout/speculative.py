@@ -250,7 +250,7 @@ class SpeculativeEngine(GenerationEngine):
         out = score_tokens(self.model, self.cache, tokens_NT, rows_t,
                            tap_layers=self.drafter.tap_layers)
         t2 = _now(self.seq_BS)
-        N, T, V = out.logits.shape
+        N, T = out.logits.shape[:2]
         if gamma == 0:  # the plain engine's draw, to the bit: same tokens for the same generator
             ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
             num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
