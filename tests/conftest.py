@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from cospec.parallel.launch import spawn
-from cospec.parallel.pipeline_checks import (RunSpec, pipelined_runs, random_microbatches,
-                                             reference_step, tiny_draft, tiny_policy)
+
+from pipeline_runs import (RunSpec, pipelined_runs, random_microbatches, reference_step, tiny_draft,
+                           tiny_policy)
 
 ALL_LAYERS = tuple(range(6))
 

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from cospec.bench.pp import BenchSettings, run
-from cospec.parallel.pipeline_checks import TINY
+
+from pipeline_runs import TINY
 
 
 @pytest.mark.slow

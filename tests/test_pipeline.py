@@ -20,9 +20,10 @@ import torch
 from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (DraftCoTraining, PipelineStep, PipeTransport, build_stage,
                                       schedule_actions, split_layers, token_nll)
-from cospec.parallel.pipeline_checks import (TINY, RunSpec, num_step_tokens, random_microbatches,
-                                             reference_step, tiny_draft, tiny_policy)
 from cospec.parallel.tap_channel import TapChannel
+
+from pipeline_runs import (TINY, RunSpec, num_step_tokens, random_microbatches, reference_step,
+                           tiny_draft, tiny_policy)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 ALL_LAYERS = tuple(range(TINY.num_layers))

@@ -15,8 +15,9 @@ import torch
 
 from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import split_layers
-from cospec.parallel.pipeline_checks import TINY, RunSpec, stamp_mismatch, tiny_policy
 from cospec.parallel.tap_channel import TapChannel, tap_owners
+
+from pipeline_runs import TINY, RunSpec, stamp_mismatch, tiny_policy
 
 ALL_LAYERS = tuple(range(TINY.num_layers))
 

@@ -2,10 +2,11 @@
 
 # T packed tokens, C hidden size, V vocab, M microbatches
 
-tests/test_pipeline.py and tests/test_tap_channel.py compare the two; the worker lives in the
-package because spawned ranks import their function by module path. `OpRecorder` patches the rank's
-torch.distributed point-to-point functions to log every operation with the group it used: a record
-independent of the pipeline's own `PipeTransport.trace`.
+tests/test_pipeline.py and tests/test_tap_channel.py compare the two. Import with ``from
+pipeline_runs import ...`` (pytest puts tests/ on sys.path): spawned ranks import their function by
+module path and receive the parent's sys.path, so they find this module too. `OpRecorder` patches the
+rank's torch.distributed point-to-point functions to log every operation with the group it used: a
+record independent of the pipeline's own `PipeTransport.trace`.
 """
 
 from __future__ import annotations
