@@ -1,5 +1,7 @@
 """Config: recipes, file loading, command-line overrides, and errors that name the field."""
 
+from dataclasses import FrozenInstanceError
+
 import pytest
 
 from cospec.config import ConfigError, ModelConfig, RunConfig, apply, describe, parse_override, resolve
@@ -51,14 +53,14 @@ def test_invalid_values_raise_an_error_naming_the_field(override, field):
 
 
 def test_configs_are_frozen():
-    with pytest.raises(Exception):
+    with pytest.raises(FrozenInstanceError, match="num_layers"):
         ModelConfig().num_layers = 3  # type: ignore[misc]
 
 
 def test_override_syntax_errors_are_clear():
     with pytest.raises(ConfigError, match="key.sub=value"):
         parse_override("model.num_layers")
-    with pytest.raises(ConfigError, match="unknown"):
+    with pytest.raises(ConfigError, match=r"recipe: unknown 'no_such_recipe' \(known: default, tiny"):
         resolve("no_such_recipe")
 
 

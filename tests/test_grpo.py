@@ -244,7 +244,7 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_pa
 
     trainer.step = 2
     monkeypatch.setattr(torch, "save", dies_midway)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(KeyboardInterrupt, match="killed while writing"):
         trainer.save()
     root = Path(trainer.out_dir) / "checkpoints"
     assert latest_checkpoint(root).name == "step_000001"
