@@ -20,6 +20,7 @@ from cospec import config as config_mod
 from cospec.config import ConfigError, RunConfig
 from cospec.data.prompts import TaskData
 from cospec.metrics.run_log import finite_or_none
+from cospec.models.integrity import CheckpointError, NonFiniteError
 from cospec.starting_policy import load_or_train_sft, load_policy, pick_device
 
 
@@ -232,28 +233,6 @@ def cmd_draft_train(args) -> int:
     return 0
 
 
-def check_resumable(cfg: RunConfig, stored: dict) -> None:
-    """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow)."""
-    now, defaults = cfg.to_dict(), RunConfig().to_dict()
-    diffs = []
-    for section in sorted(set(now) | set(stored)):
-        a, b = now.get(section), stored.get(section)
-        if isinstance(a, dict) and isinstance(b, dict):
-            # A key the checkpoint lacks is a field added since: it ran with that field's default.
-            b = {**defaults.get(section, {}), **b}
-            for k in sorted(set(a) | set(b)):
-                if a.get(k) != _listify(b.get(k)) and f"{section}.{k}" != "grpo.steps":
-                    diffs.append(f"{section}.{k}: checkpoint {b.get(k)!r}, now {a.get(k)!r}")
-        elif a != b:
-            diffs.append(f"{section}: checkpoint {b!r}, now {a!r}")
-    if diffs:
-        raise ConfigError("--resume with a different config than the checkpoint's: " + "; ".join(diffs))
-
-
-def _listify(v):
-    return tuple(v) if isinstance(v, list) else v
-
-
 def cmd_train(args) -> int:
     """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts; under
     torchrun with parallel.cp or parallel.pp > 1, distributed (cospec.parallel.train_group)."""
@@ -278,7 +257,8 @@ def _train(cfg, args, group) -> int:
     import torch.distributed as dist
 
     from cospec.draft.offline import load_or_train_draft
-    from cospec.rl.checkpoint import latest_checkpoint
+    from cospec.models.integrity import read_json_object
+    from cospec.rl.checkpoint import check_resumable, latest_checkpoint
     from cospec.rl.trainer import GRPOTrainer
 
     device = pick_device(cfg.device)
@@ -291,8 +271,11 @@ def _train(cfg, args, group) -> int:
                               f"that run or --fresh to discard it")
         if lead:
             shutil.rmtree(rl_dir)
-    if last is not None and args.resume:
-        check_resumable(cfg, json.loads((last / "config.json").read_text()))
+    if last is not None and args.resume:  # early, before minutes of loading; the trainer checks
+        try:                                # again whichever checkpoint it resumes from
+            check_resumable(cfg, read_json_object(last / "config.json", "the run config"))
+        except CheckpointError:
+            pass  # a damaged newest checkpoint: the trainer falls back to an older one, and says so
 
     def load_models():
         torch.manual_seed(cfg.grpo.seed)
@@ -453,6 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"cospec: config error: {e}", file=sys.stderr)
         return 2
+    except CheckpointError as e:  # a bad input file: as a bad config, exit 2
+        print(f"cospec: bad file: {e}", file=sys.stderr)
+        return 2
+    except NonFiniteError as e:  # not the user's input: the run diverged
+        print(f"cospec: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         print("cospec: interrupted", file=sys.stderr)
         return 130

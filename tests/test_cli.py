@@ -96,7 +96,7 @@ def test_a_retrained_sft_policy_drops_the_draft_made_for_the_old_one(tmp_path):
 
 
 def test_resume_accepts_a_checkpoint_from_before_a_field_existed_at_its_default():
-    from cospec.cli import check_resumable
+    from cospec.rl.checkpoint import check_resumable
     from cospec.config import ConfigError, RunConfig
 
     cfg = RunConfig()

@@ -1,2 +1,2 @@
-"""The data layer, at the bottom of the package: tokenizers, prompt sources and their verifiers,
+"""The data layer, just above the config (the bottom): tokenizers, prompt sources and their verifiers,
 and sequence packing. It imports nothing of cospec but the config."""

@@ -15,12 +15,13 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft
 from cospec.models.hf_checkpoint import (CONFIG_NAME, WEIGHTS_NAME, load_hf, save_hf,
                                          write_checkpoint_directory)
+from cospec.models.integrity import (CheckpointError, check_finite, read_json_object,
+                                     read_safetensors)
 from cospec.models.llama import Transformer
 
 DRAFT_CONFIG_NAME = "draft.json"
@@ -40,19 +41,38 @@ def save_draft(draft: Eagle3Draft | Transformer, path: str | Path) -> None:
 
 
 def load_draft(path: str | Path, *, device: torch.device | str | None = None) -> Eagle3Draft | Transformer:
-    """The draft saved at `path`: an `Eagle3Draft`, or a `Transformer` for an HF-layout draft LM."""
+    """The draft saved at `path`: an `Eagle3Draft`, or a `Transformer` for an HF-layout draft LM.
+
+    A draft.json that is garbage or disagrees with the weights beside it raises `CheckpointError`
+    naming the file; a NaN or inf weight, `NonFiniteError`."""
     path = Path(path)
     if (path / DRAFT_CONFIG_NAME).exists():
-        meta = json.loads((path / DRAFT_CONFIG_NAME).read_text())
+        draft = _eagle3_from_meta(path / DRAFT_CONFIG_NAME)
+        state = read_safetensors(path / WEIGHTS_NAME, str(device or "cpu"))
+        check_finite(state, str(path / WEIGHTS_NAME))
+        try:
+            draft.load_state_dict(state)
+        except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
+            raise CheckpointError(f"{path}: the weights do not match {DRAFT_CONFIG_NAME}: "
+                                  f"{str(e).splitlines()[0]} ...") from e
+        return draft.to(device or "cpu")
+    if (path / CONFIG_NAME).exists():
+        return load_hf(path, device=device)
+    raise CheckpointError(f"{path}: not a draft checkpoint (no {DRAFT_CONFIG_NAME} or {CONFIG_NAME})")
+
+
+def _eagle3_from_meta(meta_path: Path) -> Eagle3Draft:
+    """An EAGLE-3 draft shaped as draft.json says (weights still to load)."""
+    meta = read_json_object(meta_path, "the draft's config")
+    try:
         policy_cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
                                     for k, v in meta["policy_config"].items()})
         reduced = meta.get("draft_vocab_size", policy_cfg.vocab_size) < policy_cfg.vocab_size
         # placeholder ids of the right length; load_state_dict puts the saved ones in
-        draft = Eagle3Draft(policy_cfg, tap_layers=tuple(meta["tap_layers"]),
-                            intermediate_size=meta["intermediate_size"],
-                            vocab_ids=torch.arange(meta["draft_vocab_size"]) if reduced else None)
-        draft.load_state_dict(load_file(path / WEIGHTS_NAME, device=str(device or "cpu")))
-        return draft.to(device or "cpu")
-    if (path / CONFIG_NAME).exists():
-        return load_hf(path, device=device)
-    raise ValueError(f"{path}: not a draft checkpoint (no {DRAFT_CONFIG_NAME} or {CONFIG_NAME})")
+        return Eagle3Draft(policy_cfg, tap_layers=tuple(meta["tap_layers"]),
+                           intermediate_size=meta["intermediate_size"],
+                           vocab_ids=torch.arange(meta["draft_vocab_size"]) if reduced else None)
+    except KeyError as e:
+        raise CheckpointError(f"{meta_path}: missing field {e}") from e
+    except (TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{meta_path}: {e}") from e

@@ -20,10 +20,12 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import Tensor
 
 from cospec.config import ModelConfig
+from cospec.models.integrity import (CheckpointError, check_finite, read_json_object,
+                                     read_safetensors)
 from cospec.models.llama import Transformer
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
@@ -157,25 +159,43 @@ def _to_hf(name: str) -> str:
 def _read_tensors(path: Path, device: str) -> dict[str, Tensor]:
     """All tensors of a single-file or sharded (``*.index.json``) checkpoint, by HF name."""
     if (path / WEIGHTS_NAME).exists():
-        return load_file(path / WEIGHTS_NAME, device=device)
+        return read_safetensors(path / WEIGHTS_NAME, device)
     if (path / INDEX_NAME).exists():
-        shards = sorted(set(json.loads((path / INDEX_NAME).read_text())["weight_map"].values()))
+        index = read_json_object(path / INDEX_NAME, "the shard index")
+        if not isinstance(index.get("weight_map"), dict):
+            raise CheckpointError(f"{path / INDEX_NAME}: no weight_map object")
         out: dict[str, Tensor] = {}
-        for shard in shards:
-            out.update(load_file(path / shard, device=device))
+        for shard in sorted(set(index["weight_map"].values())):
+            out.update(read_safetensors(path / shard, device))
         return out
-    raise ValueError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}")
+    raise CheckpointError(f"{path}: no {WEIGHTS_NAME} or {INDEX_NAME}")
 
 
 def load_hf(path: str | Path, *, device: torch.device | str | None = None,
             dtype: torch.dtype | None = None) -> Transformer:
-    """A `Transformer` holding an HF checkpoint's weights (dtype: as stored unless given)."""
+    """A `Transformer` holding an HF checkpoint's weights (dtype: as stored unless given).
+
+    A missing, garbage or unrepresentable config.json, or a weights file that cannot be read,
+    raises `CheckpointError` naming the file; a NaN or inf weight, `NonFiniteError`."""
     path = Path(path)
-    cfg = model_config_from_hf(json.loads((path / CONFIG_NAME).read_text()))
+    cfg = hf_model_config(path)
     tensors = _read_tensors(path, str(device or "cpu"))
     state = {_to_ours(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
              for k, v in tensors.items()}
     return model_from_state(cfg, state, str(path), _to_hf)
+
+
+def hf_model_config(path: Path) -> ModelConfig:
+    """The policy config of the checkpoint directory at `path`, or a CheckpointError naming its
+    config.json (missing, not JSON, a field missing or of the wrong type, unsupported)."""
+    config_path = Path(path) / CONFIG_NAME
+    hf = read_json_object(config_path, "the model config")
+    try:
+        return model_config_from_hf(hf)
+    except KeyError as e:
+        raise CheckpointError(f"{config_path}: missing field {e}") from e
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
 
 
 def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], source: str,
@@ -184,8 +204,8 @@ def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], source: str,
 
     The model is built on the meta device and the tensors are assigned in place, so the weights are
     never allocated twice nor randomly initialised first. A state that does not match the config
-    raises a ValueError naming `source` and the tensors by the checkpoint's own names
-    (`checkpoint_name` maps ours to them). A tied head may be in `state` or not (some exporters
+    raises a CheckpointError naming `source` and the tensors by the checkpoint's own names
+    (`checkpoint_name` maps ours to them), a NaN or inf in one a NonFiniteError. A tied head may be in `state` or not (some exporters
     store it twice); it is dropped from `state` either way.
     """
     if cfg.tie_embeddings:
@@ -195,9 +215,15 @@ def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], source: str,
     expected = set(model.state_dict()) - ({"lm_head.weight"} if cfg.tie_embeddings else set())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
-        raise ValueError(f"{source}: checkpoint does not match the config: "
+        raise CheckpointError(f"{source}: checkpoint does not match the config: "
                          f"missing {[checkpoint_name(n) for n in missing]}, "
                          f"unexpected {[checkpoint_name(n) for n in unexpected]}")
+    check_finite(state, source)
+    bad_shapes = [f"{checkpoint_name(n)} {tuple(state[n].shape)} (expected {tuple(t.shape)})"
+                  for n, t in model.state_dict().items() if n in state and state[n].shape != t.shape]
+    if bad_shapes:
+        raise CheckpointError(f"{source}: tensor shapes do not match the config: "
+                              + ", ".join(bad_shapes[:3]))
     model.load_state_dict(state, strict=False, assign=True)
     if cfg.tie_embeddings:  # assign replaced embed_tokens.weight: point the head at the new one
         model.lm_head.weight = model.embed_tokens.weight

@@ -26,8 +26,11 @@ from pathlib import Path
 
 import torch
 
+from cospec.config import ConfigError, RunConfig
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.hf_checkpoint import load_hf, save_hf
+from cospec.models.integrity import (CheckpointError, NonFiniteError, read_json_object,
+                                     read_torch)
 
 LATEST = "latest"
 PREFIX = "step_"
@@ -76,9 +79,63 @@ def latest_checkpoint(root: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path, *, device=None) -> dict:
-    """{"policy": Transformer, "draft": draft or None, "trainer_state": dict, "config": dict}."""
+    """{"policy": Transformer, "draft": draft or None, "trainer_state": dict, "config": dict}.
+
+    A file that cannot be read raises `CheckpointError` naming it; a non-finite weight,
+    `NonFiniteError`."""
     path = Path(path)
+    state = read_torch(path / "trainer_state.pt", "the trainer state")
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path / 'trainer_state.pt'}: not a trainer state (no step)")
     return {"policy": load_hf(path / "policy", device=device),
             "draft": load_draft(path / "draft", device=device) if (path / "draft").exists() else None,
-            "trainer_state": torch.load(path / "trainer_state.pt", weights_only=True),
-            "config": json.loads((path / "config.json").read_text())}
+            "trainer_state": state,
+            "config": read_json_object(path / "config.json", "the run config")}
+
+
+def load_latest_good(root: str | Path, *, device=None, warn=print) -> tuple[Path, dict] | None:
+    """The newest checkpoint under `root` that loads (None when there is none at all).
+
+    A newest checkpoint that is damaged (a truncated file, a NaN weight) is skipped for the one
+    before it, with a warning through `warn` naming what was wrong; if none loads, CheckpointError
+    listing each."""
+    root = Path(root)
+    newest = latest_checkpoint(root)
+    if newest is None:
+        return None
+    candidates = [newest] + [p for p in sorted(root.glob(f"{PREFIX}*"), reverse=True)
+                             if p.is_dir() and p != newest and p.name < newest.name]
+    problems = []
+    for path in candidates:
+        try:
+            ckpt = load_checkpoint(path, device=device)
+        except (CheckpointError, NonFiniteError) as e:
+            problems.append(str(e))
+            warn(f"cospec: warning: checkpoint {path} is damaged, skipping it: {e}")
+            continue
+        if problems:
+            warn(f"cospec: resuming from the older checkpoint {path}")
+        return path, ckpt
+    raise CheckpointError(f"{root}: no checkpoint loads: " + "; ".join(problems))
+
+
+def check_resumable(cfg: RunConfig, stored: dict) -> None:
+    """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow)."""
+    now, defaults = cfg.to_dict(), RunConfig().to_dict()
+    diffs = []
+    for section in sorted(set(now) | set(stored)):
+        a, b = now.get(section), stored.get(section)
+        if isinstance(a, dict) and isinstance(b, dict):
+            # A key the checkpoint lacks is a field added since: it ran with that field's default.
+            b = {**defaults.get(section, {}), **b}
+            for k in sorted(set(a) | set(b)):
+                if a.get(k) != _listify(b.get(k)) and f"{section}.{k}" != "grpo.steps":
+                    diffs.append(f"{section}.{k}: checkpoint {b.get(k)!r}, now {a.get(k)!r}")
+        elif a != b:
+            diffs.append(f"{section}: checkpoint {b!r}, now {a!r}")
+    if diffs:
+        raise ConfigError("--resume with a different config than the checkpoint's: " + "; ".join(diffs))
+
+
+def _listify(v):
+    return tuple(v) if isinstance(v, list) else v

@@ -32,7 +32,8 @@ from cospec.models.precision import autocast
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
 from cospec.parallel.ring_attention import RingAttention
 from cospec.parallel.zigzag import ZigzagLayout
-from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
+from cospec.rl.policy_step import (PolicyMinibatch, clip_grad_norm, minibatch_terms,
+                                   step_if_finite)
 
 
 def shard_minibatch(mb: PolicyMinibatch, layout: ZigzagLayout, rank: int) -> PolicyMinibatch:
@@ -77,9 +78,8 @@ class ContextParallelPolicyStep:
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         all_reduce_grads(self.policy, self.group)
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-                     if self.grad_clip > 0 else torch.zeros(()))
-        self.optimizer.step()
+        grad_norm = step_if_finite(self.optimizer, clip_grad_norm(self.policy.parameters(),
+                                                                  self.grad_clip))
         dist.all_reduce(sums, group=self.group)
         captured = []
         if tap_layers:
@@ -88,7 +88,7 @@ class ContextParallelPolicyStep:
                                      loss_mask=mb.loss_mask,
                                      taps={k: gather(v[0]) for k, v in out.taps.items()},
                                      policy_logits=gather(out.logits[0])))
-        return sums, float(grad_norm), captured
+        return sums, grad_norm, captured
 
 
 class ContextParallelDraftLoss:

@@ -15,6 +15,7 @@ loss, and so do their gradients and every logged statistic (`SUMS`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,7 @@ from torch import Tensor
 
 from cospec.data.packing import pack_examples
 from cospec.draft.ttt import TTTBatch
+from cospec.models.integrity import NonFiniteError
 from cospec.models.precision import autocast
 from cospec.rl import grpo
 
@@ -141,6 +143,26 @@ def metrics_from_sums(sums: Tensor, grad_norm: float) -> dict:
             "mismatch_token_mult_prob_error": s["mismatch_mult"] / n}
 
 
+def clip_grad_norm(params, grad_clip: float) -> Tensor:
+    """The global gradient norm of ``params``, clipped to ``grad_clip`` when > 0; measured even
+    without clipping, since `step_if_finite` reads it."""
+    return torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+
+
+def step_if_finite(optimizer, grad_norm: Tensor) -> float:
+    """Take the optimizer step unless the gradient norm is NaN or inf; then raise `NonFiniteError`
+    with the weights as they were. Returns the norm. The norm is global (all-reduced over cp
+    replicas, summed over pp stages), so every rank of a layout decides alike; reading it is the
+    sync the step's log needed anyway."""
+    norm = float(grad_norm)
+    if not math.isfinite(norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteError(f"policy update: the gradient norm is {norm} (the GRPO loss or its "
+                             f"gradient is not finite); the update was not applied")
+    optimizer.step()
+    return norm
+
+
 class LocalPolicyStep:
     """The policy step on one process: forward (with the draft's taps when asked), the reference
     forward (none when ``reference`` is None), loss, backward, clip, optimizer step.
@@ -167,12 +189,11 @@ class LocalPolicyStep:
             loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        grad_norm = (torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.grad_clip)
-                     if self.grad_clip > 0 else torch.zeros(()))
-        self.optimizer.step()
+        grad_norm = step_if_finite(self.optimizer, clip_grad_norm(self.policy.parameters(),
+                                                                  self.grad_clip))
         captured = []
         if tap_layers:
             captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
                                      taps={k: v[0] for k, v in out.taps.items()},
                                      policy_logits=out.logits[0].detach()))
-        return sums, float(grad_norm), captured
+        return sums, grad_norm, captured

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from cospec.draft.ttt import TTTBatch, cat_batches
 from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport
 from cospec.parallel.tap_channel import TapChannel
-from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms
+from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms, step_if_finite
 
 
 def clip_grad_norm_across_stages(params, max_norm: float, group) -> Tensor:
@@ -183,14 +183,13 @@ class PipelinedPolicyStep:
             for p in self.model.parameters():
                 if p.grad is not None:
                     dist.all_reduce(p.grad, group=self.cp_group)
-        grad_norm = clip_grad_norm_across_stages(list(self.model.parameters()), self.grad_clip,
-                                                 self.pipe_group)
-        self.optimizer.step()
+        grad_norm = step_if_finite(self.optimizer, clip_grad_norm_across_stages(
+            list(self.model.parameters()), self.grad_clip, self.pipe_group))
         total = torch.stack(sums).sum(0) if self.last else torch.zeros(len(SUMS), device=device)
         if self.last and self.cp_group is not None:
             dist.all_reduce(total, group=self.cp_group)
         dist.broadcast(total, self.last_rank, group=self.pipe_group)
-        return total, float(grad_norm), [cat_batches(captured)] if captured else []
+        return total, grad_norm, [cat_batches(captured)] if captured else []
 
 
 class StageWeightSync:

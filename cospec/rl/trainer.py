@@ -34,10 +34,13 @@ from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
+from cospec.metrics.progress import progress_bar
 from cospec.metrics.run_log import RunLog
+from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
 from cospec.rl import grpo
-from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from cospec.rl.checkpoint import (check_resumable, latest_checkpoint, load_latest_good,
+                                 save_checkpoint)
 from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
 from cospec.rl.weight_sync import InProcessWeightSync
 from cospec.rollout.engine import Completion, GenerationEngine
@@ -111,6 +114,7 @@ class GRPOTrainer:
         self.engine = self._make_engine() if self.is_rollout_rank else None
         self.step = 0
         self.tensorboard = tensorboard
+        self._step_start_rng, self._updated_this_step = None, False  # see `_stopped`
 
     def _build_policy_step(self, policy) -> None:
         """self.policy (this rank's trained module), self.reference, self.optimizer, the policy
@@ -216,9 +220,14 @@ class GRPOTrainer:
         chunks = [order[i::self.g.micro_steps] for i in range(self.g.micro_steps)]
         tap_layers = self.draft.tap_layers if self._cotrain_now() else ()
         logs = []
-        for idx in chunks:
+        for i, idx in enumerate(chunks):
             mb = PolicyMinibatch.from_rollouts(batch.completions, batch.advantages, idx)
-            sums, grad_norm, captured = self.policy_step(mb, tap_layers)
+            try:
+                sums, grad_norm, captured = self.policy_step(mb, tap_layers)
+            except NonFiniteError as e:
+                raise NonFiniteError(f"GRPO step {self.step + 1}, minibatch {i + 1} of "
+                                     f"{len(chunks)}: {e}") from e
+            self._updated_this_step = True
             self._draft_data += captured
             logs.append(metrics_from_sums(sums, grad_norm))
         mismatch = [k for k in logs[0] if k.startswith("mismatch")]
@@ -251,6 +260,7 @@ class GRPOTrainer:
         per_batch = max(1, d.cotrain_max_tokens // len(self._draft_data)) if d.cotrain_max_tokens else 0
         rng = random.Random(self.g.seed * 1_000_003 + self.step)
         data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
+        skipped = 0
         for _ in range(d.cotrain_iters):
             for batch in data:
                 # fp32 even under grpo.autocast: TTT training in bf16 autocast does not learn
@@ -263,15 +273,20 @@ class GRPOTrainer:
                 loss.backward()
                 if self.reduce_draft_grads is not None:  # cp: the ranks' shares -> the whole gradient
                     self.reduce_draft_grads(self.draft)
-                torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
-                self.draft_optimizer.step()
+                norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
+                if torch.isfinite(norm):  # a sync per draft update; the loss's metrics take one too
+                    self.draft_optimizer.step()
+                else:  # skipped and reported; the draft keeps its weights
+                    self.draft_optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
         self.draft.eval()
         self._draft_data = []
         # The loss from the per-step metrics, which are whole-batch ones also under cp (where
         # each rank's ``loss`` is only its share).
         whole = sum(d.ttt_decay ** j * ((1 - d.tv_weight) * ce + d.tv_weight * tv)
                     for j, (ce, tv) in enumerate(zip(metrics["ce"], metrics["tv"])))
-        return {"draft_loss": whole, "draft_acceptance_tf": metrics["acceptance"]}
+        return {"draft_loss": whole, "draft_acceptance_tf": metrics["acceptance"],
+                "draft_nonfinite_skipped": skipped}
 
     def evaluate(self) -> dict:
         """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
@@ -300,6 +315,12 @@ class GRPOTrainer:
         if self.weight_sync is not None:
             self.weight_sync.push(self.policy)
         if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
+            if self.owns_draft:  # a draft with a NaN would stop the next rollout: say so now
+                bad = nonfinite_names(self.draft.state_dict())
+                if bad:
+                    raise NonFiniteError(f"GRPO step {self.step + 1}: the co-trained draft has "
+                                         f"non-finite weights ({', '.join(bad[:3])}); it is not "
+                                         f"synced to the rollout engine")
             self.draft_sync.push(self.draft)
 
     def step_metrics(self, batch: RolloutBatch, train: dict, seconds: dict) -> dict:
@@ -328,6 +349,9 @@ class GRPOTrainer:
     def run_step(self) -> dict | None:
         """One GRPO step; its metrics on the rollout rank (None on the other ranks)."""
         t0 = time.perf_counter()
+        # What a checkpoint of the state before this step holds, should the step fail (`_stopped`)
+        self._step_start_rng = (torch.get_rng_state(), self.prompt_rng.getstate())
+        self._updated_this_step = False
         batch = self.generate() if self.is_rollout_rank else None
         t1 = time.perf_counter()
         if batch is not None:
@@ -413,16 +437,41 @@ class GRPOTrainer:
     def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
         """Train until grpo.steps; with `resume`, continue from the latest checkpoint. Distributed:
         every rank calls it; the rollout rank evaluates, logs and returns the history."""
-        from cospec.metrics.progress import progress_bar
-
         resume_step = None
         if resume:
-            path = latest_checkpoint(f"{self.out_dir}/checkpoints")
-            if path is not None:
-                self.restore(load_checkpoint(path, device=self.device))
+            warn = print if self.is_rollout_rank else (lambda _: None)
+            found = load_latest_good(f"{self.out_dir}/checkpoints", device=self.device, warn=warn)
+            if found is not None:
+                path, ckpt = found
+                check_resumable(self.cfg, ckpt["config"])
+                self.restore(ckpt)
                 resume_step = self.step
-                if self.is_rollout_rank:
-                    print(f"resumed from {path} (step {self.step})")
+                warn(f"resumed from {path} (step {self.step})")
+        try:
+            return self._run(resume_step, progress, on_step)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"{e}. {self._stopped()}") from e
+
+    def _stopped(self) -> str:
+        """After a non-finite loss, gradient or draft: keep the last good state, say where it is.
+        Before the step's first update (single process) the weights are still the previous step's:
+        they are checkpointed with that step's RNG states, so --resume repeats the failed step
+        exactly (to inspect it, or after changing the config). Otherwise the newest checkpoint on
+        disk is the last good one."""
+        good = (self.group is None and self._step_start_rng is not None
+                and not self._updated_this_step and not nonfinite_names(self.policy.state_dict())
+                and (self.draft is None or not nonfinite_names(self.draft.state_dict())))
+        if good:
+            torch.set_rng_state(self._step_start_rng[0])
+            self.prompt_rng.setstate(self._step_start_rng[1])
+            self.save()
+            return (f"The state before the failed step (step {self.step}) is checkpointed in "
+                    f"{self.out_dir}/checkpoints; cospec train --resume continues from it")
+        last = latest_checkpoint(f"{self.out_dir}/checkpoints")
+        return (f"The newest good checkpoint is {last}" if last is not None
+                else "No checkpoint was written before it")
+
+    def _run(self, resume_step, progress, on_step) -> list[dict]:
         if not self.is_rollout_rank:
             while self.step < self.g.steps:
                 self.run_step()

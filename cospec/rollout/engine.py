@@ -34,6 +34,7 @@ distribution (see `cospec.rollout.sampling` for the greedy convention).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from torch import Tensor
 from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS, PAD
 from cospec.metrics.progress import progress_bar
+from cospec.models.integrity import NonFiniteError
 from cospec.rollout.host_memory import keep_freed_host_memory
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.sampling import sample_tokens
@@ -143,6 +145,15 @@ def append_until_finished(row: Completion, tokens: list[int], logprobs: list[flo
     return False
 
 
+def check_logprobs_finite(logprobs: list[float], forward: int) -> None:
+    """NonFiniteError unless every sampled token's logprob is finite. A sampled token has p > 0, so
+    its logprob is finite unless the policy's logits were not (a NaN logit makes the row's softmax
+    NaN and the draw meaningless): a check on values the host has read already, at no cost."""
+    if not all(math.isfinite(lp) for lp in logprobs):
+        raise NonFiniteError(f"policy forward {forward} of this generate call: the policy gave "
+                             f"non-finite logits (NaN or inf); its weights or inputs are broken")
+
+
 # ----------------------------------------------------------------------------- the engine
 
 class GenerationEngine:
@@ -215,11 +226,13 @@ class GenerationEngine:
         slots: list[Completion | None] = [None] * self.batch_size
         done: list[Completion | None] = [None] * len(prompts)
         last_B = torch.zeros(self.batch_size, dtype=torch.long, device=device)
-        num_forwards = 0
+        self.num_forwards = 0
 
         def record(rows: list[int], ids_N: Tensor, logprobs_N: Tensor) -> None:
             # Device sync: the host must see the tokens to spot EOS and free slots.
-            for slot, tok, lp in zip(rows, ids_N.tolist(), logprobs_N.tolist()):
+            logprobs = logprobs_N.tolist()
+            check_logprobs_finite(logprobs, self.num_forwards)
+            for slot, tok, lp in zip(rows, ids_N.tolist(), logprobs):
                 row = slots[slot]
                 if append_until_finished(row, [tok], [lp], max_new_tokens=sampling.max_new_tokens,
                                          capacity=self.capacity, stop_ids=self.stop_ids):
@@ -235,7 +248,7 @@ class GenerationEngine:
                 rows_N = torch.tensor(free, device=device)
                 logits_NV, _ = prefill_slots(self.model, self.cache, rows_N,
                                              [slots[s].prompt for s in free])
-                num_forwards += 1
+                self.num_forwards += 1
                 ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
                 last_B[rows_N] = ids_N
                 record(free, ids_N, logprobs_N)  # a row may finish on its first token
@@ -248,11 +261,11 @@ class GenerationEngine:
                 rows_N = torch.tensor(active, device=device)
                 last_N = last_B[rows_N]
             logits_NV = decode_step(self.model, self.cache, last_N, rows_N)
-            num_forwards += 1
+            self.num_forwards += 1
             ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
             if rows_N is None:
                 last_B.copy_(ids_N)
             else:
                 last_B[rows_N] = ids_N
             record(active, ids_N, logprobs_N)  # 3. record
-        return done, num_forwards
+        return done, self.num_forwards

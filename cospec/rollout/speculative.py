@@ -41,13 +41,16 @@ from torch import Tensor
 
 from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS
+from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
-                                   append_until_finished, prefill_slots, score_tokens)
+                                   append_until_finished, check_logprobs_finite, prefill_slots,
+                                   score_tokens)
 from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
                                      sample_tokens)
-from cospec.rollout.verify import DenseProbs, HeadProbs, head_index, overshoot_sums, verify_drafts
+from cospec.rollout.verify import (DenseProbs, HeadProbs, head_index, nonfinite_message,
+                                   overshoot_sums, verify_drafts)
 
 
 @dataclass
@@ -171,14 +174,14 @@ class SpeculativeEngine(GenerationEngine):
         self.e = [0] * self.batch_size
         self.row_counts: dict[int, list[int]] = {}  # prompt index -> see _refill
         done: list[Completion | None] = [None] * len(prompts)
-        num_forwards = 0
+        self.num_forwards = 0
         while queue or any(s is not None for s in self.slots):
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
                 t_refill = _now(self.seq_BS)
                 self._refill(free, [queue.popleft() for _ in free], prompts, sampling, generator,
                              done, on_finish)
-                num_forwards += 1
+                self.num_forwards += 1
                 self.stats.other_seconds += _now(self.seq_BS) - t_refill
             active = [s for s, row in enumerate(self.slots) if row is not None]
             if not active:
@@ -188,7 +191,7 @@ class SpeculativeEngine(GenerationEngine):
             t0 = _now(self.seq_BS)
             gamma = self.controller.choose(len(active)) if self.controller else self.gamma
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
-            num_forwards += 1
+            self.num_forwards += 1
             other_s = _now(self.seq_BS) - t0 - draft_s - verify_s
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
@@ -201,7 +204,7 @@ class SpeculativeEngine(GenerationEngine):
         self.stats.per_row_accept_length = [c[1] / max(c[0], 1) for c in counts]
         self.stats.per_row_judged = [c[2] for c in counts]
         self.stats.per_row_accepted = [c[3] for c in counts]
-        return done, num_forwards
+        return done, self.num_forwards
 
     def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
         """Prefill prompts into free slots; their first token is sampled from the prefill."""
@@ -257,7 +260,7 @@ class SpeculativeEngine(GenerationEngine):
             logprobs_NT = logprobs_N[:, None]
         else:
             dist = SamplingDistribution(out.logits, sampling)  # warped once
-            verdict = verify_drafts(dist, q, draft_NG, generator)
+            verdict = verify_drafts(dist, q, draft_NG, generator, check=False)
             self._steps_drafted += 1
             if self._steps_drafted % self.overshoot_every == 0:
                 self._add_overshoot(dist.probs[:, :gamma], q.probs, draft_NG)
@@ -270,7 +273,11 @@ class SpeculativeEngine(GenerationEngine):
             self.feat_BSF[rows_N[:, None], cols_NT] = self.drafter.features(out.taps).to(
                 self.feat_BSF.dtype)
         self.cache.truncate(n_N + 1 + num_accepted, rows_t)  # keep s_n and the accepted drafts
-        ks = num_accepted.tolist()  # device sync: the host needs the counts to record tokens
+        # Device sync: the host needs the counts to record tokens; the finiteness verdict rides along.
+        *ks, nonfinite = torch.cat([num_accepted, verdict.nonfinite[None] if gamma else
+                                    num_accepted.new_zeros(1)]).tolist()
+        if nonfinite:
+            raise NonFiniteError(nonfinite_message(nonfinite, self._where(gamma)))
         emitted, lps = emitted_NT.tolist(), logprobs_NT.tolist()
         self._account(active, gamma, ks, t1 - t0, t2 - t1)
         for s, k in zip(active, ks):
@@ -278,6 +285,10 @@ class SpeculativeEngine(GenerationEngine):
         self._record(active, [row[:k + 1] for row, k in zip(emitted, ks)],
                      [row[:k + 1] for row, k in zip(lps, ks)], sampling, done, on_finish)
         return t1 - t0, t2 - t1
+
+    def _where(self, gamma: int) -> str:
+        return (f"policy forward {self.num_forwards + 1} of this generate call (gamma {gamma}, "
+                f"draft: {type(self.drafter).__name__})")
 
     def _draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
         """Catch the draft up on every unseen entry, then draft `gamma` tokens per row.
@@ -349,6 +360,7 @@ class SpeculativeEngine(GenerationEngine):
         self._overshoot[:, :draft_NG.shape[1]] += overshoot_sums(p_NGV, q_NGV, draft_NG)
 
     def _record(self, slots, tokens, logprobs, sampling, done, on_finish) -> None:
+        check_logprobs_finite([lp for lps in logprobs for lp in lps], self.num_forwards + 1)
         for s, toks, lps in zip(slots, tokens, logprobs):
             row = self.slots[s]
             if append_until_finished(row, toks, lps, max_new_tokens=sampling.max_new_tokens,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cospec.models.integrity import NonFiniteError
 from cospec.rollout.sampling import sample
 
 
@@ -37,11 +38,28 @@ class Verdict:
     """num_accepted: long [N] in 0..G (accepted drafted tokens, a prefix);
     next_token: long [N], the token drawn at position num_accepted (from r, or p_G when all passed);
     tokens: long [N, G+1], the row's output: tokens[:, :num_accepted] are the accepted drafts,
-    tokens[:, num_accepted] is next_token, later entries are meaningless."""
+    tokens[:, num_accepted] is next_token, later entries are meaningless;
+    nonfinite: long [] (on the device, unread): 0 when p and q were finite where they were read,
+    else `POLICY_NONFINITE` | `DRAFT_NONFINITE` bits saying whose probabilities were not."""
 
     num_accepted: Tensor
     next_token: Tensor
     tokens: Tensor
+    nonfinite: Tensor
+
+
+#: bits of `Verdict.nonfinite`
+POLICY_NONFINITE, DRAFT_NONFINITE = 1, 2
+
+
+def nonfinite_message(code: int, where: str) -> str:
+    """What a `Verdict.nonfinite` code means, for an error raised `where` (a step, say)."""
+    whose = " and ".join(name for bit, name in ((POLICY_NONFINITE, "the policy (p)"),
+                                                (DRAFT_NONFINITE, "the draft (q)")) if code & bit)
+    hint = ("a diverged or corrupted draft: retrain it or check co-training's loss"
+            if code == DRAFT_NONFINITE else "check the policy's weights and logits")
+    return (f"{where}: {whose} gave non-finite probabilities (NaN or inf); speculative sampling "
+            f"would no longer be lossless, so it stops here ({hint})")
 
 
 class DenseProbs:
@@ -97,12 +115,18 @@ def head_index(vocab_ids: Tensor, vocab_size: int) -> Tensor:
 
 
 def verify_drafts(p_probs_NG1V, q_probs_NGV, draft_NG: Tensor,
-                  generator: torch.Generator | None = None) -> Verdict:
+                  generator: torch.Generator | None = None, *, check: bool = True) -> Verdict:
     """Steps 3-4 above for a batch of rows; all G drafts of a row are judged in one go.
 
     p and q: probability tensors ([N, G+1, V] and [N, G, V]) or objects that read like them
     (`DenseProbs`, `HeadProbs`, `cospec.rollout.sampling.SamplingDistribution`): only the
     probabilities of the drafted tokens and one whole row per sequence are read.
+
+    Non-finite p or q (a NaN logit makes its whole softmax row NaN) would make every draft a
+    rejection and the residual draw token 0: no error, rollouts silently not the policy's. The
+    verdict's ``nonfinite`` says so from values the step computes anyway (the drafted tokens'
+    probabilities, the drawn row's mass); with ``check`` a NaN raises `NonFiniteError` here (a
+    device sync); an engine passes check=False and reads the flag with the accepted counts.
     """
     p = DenseProbs(p_probs_NG1V) if isinstance(p_probs_NG1V, Tensor) else p_probs_NG1V
     q = DenseProbs(q_probs_NGV) if isinstance(q_probs_NGV, Tensor) else q_probs_NGV
@@ -125,12 +149,18 @@ def verify_drafts(p_probs_NG1V, q_probs_NGV, draft_NG: Tensor,
     weights_NV = torch.where(rejected_N1, (p_next_NV - q_next_NV).clamp(min=0), p_next_NV)
     # r has positive mass whenever a rejection can happen (p(x) < q(x) for the drafted x forces some
     # p(y) > q(y)); only rounding can empty it, and then p is the right fallback.
-    empty = weights_NV.sum(-1, keepdim=True) <= 0
-    weights_NV = torch.where(empty, p_next_NV, weights_NV)
+    mass_N1 = weights_NV.sum(-1, keepdim=True)
+    weights_NV = torch.where(mass_N1 <= 0, p_next_NV, weights_NV)
+    q_bad = ~torch.isfinite(q_draft).all()
+    p_bad = ~torch.isfinite(p_draft).all() | (~torch.isfinite(mass_N1).all() & ~q_bad)
+    nonfinite = p_bad.long() * POLICY_NONFINITE + q_bad.long() * DRAFT_NONFINITE
+    if check and int(nonfinite):
+        raise NonFiniteError(nonfinite_message(int(nonfinite), "verify_drafts"))
     next_token = sample(weights_NV, generator)
     tokens = torch.cat([draft_NG, draft_NG[:, :1]], dim=1).scatter(1, num_accepted[:, None],
                                                                  next_token[:, None])
-    return Verdict(num_accepted=num_accepted, next_token=next_token, tokens=tokens)
+    return Verdict(num_accepted=num_accepted, next_token=next_token, tokens=tokens,
+                   nonfinite=nonfinite)
 
 
 def overshoot_sums(p_probs_NGV: Tensor, q_probs_NGV: Tensor, draft_NG: Tensor) -> Tensor:
