@@ -17,7 +17,7 @@ G = 0 being plain decoding (E = 1, no draft). So speculation switches itself off
 verifying G + 1 tokens costs nearly G + 1 decode steps, and back on as the batch drains in the tail.
 
 Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a short calibration
-(`calibrate` in `cospec.rollout.speculative`) and kept current by an exponential moving average of
+(`calibrate` in `cospec.rollout.calibration`) and kept current by an exponential moving average of
 every step's measured time; N between measured points is interpolated linearly. Acceptance is a
 decayed count per position, so it follows a draft that co-training improves; while G = 0 nothing is
 measured, so every ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max).

@@ -31,7 +31,6 @@ distribution, finish reasons) plus `SpeculationStats`.
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Collection
@@ -43,6 +42,7 @@ from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS
 from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
+from cospec.rollout.calibration import calibrate, synced_time
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
                                    append_until_finished, check_logprobs_finite, prefill_slots,
@@ -108,7 +108,8 @@ class SpeculativeEngine(GenerationEngine):
         (`cospec.rollout.drafter`); vocab (and for EAGLE-3 hidden size) must match the policy.
     gamma: drafted tokens per step (fixed), or the most the adaptive controller may pick.
     adaptive: pick gamma per step (`AdaptiveGamma`); ``controller`` may be given to share a cost
-        model and acceptance estimate across engines or runs. Costs are calibrated on first use.
+        model and acceptance estimate across engines or runs. Costs are calibrated on first use
+        (`cospec.rollout.calibration`).
     overshoot_every: the overshoot diagnostics (`SpeculationStats.overshoot_by_position`) sum
         every this many drafting steps: they read q and p over the whole vocabulary, 3 passes
         over [N, G, V] floats, which at batch 64 and a 49K vocabulary is most of a step's
@@ -178,21 +179,21 @@ class SpeculativeEngine(GenerationEngine):
         while queue or any(s is not None for s in self.slots):
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
-                t_refill = _now(self.seq_BS)
+                t_refill = synced_time(self.seq_BS)
                 self._refill(free, [queue.popleft() for _ in free], prompts, sampling, generator,
                              done, on_finish)
                 self.num_forwards += 1
-                self.stats.other_seconds += _now(self.seq_BS) - t_refill
+                self.stats.other_seconds += synced_time(self.seq_BS) - t_refill
             active = [s for s, row in enumerate(self.slots) if row is not None]
             if not active:
                 continue
             # The step's own time (no refill: prefill cost does not depend on gamma, and counting
             # it would make every gamma look alike to the controller).
-            t0 = _now(self.seq_BS)
+            t0 = synced_time(self.seq_BS)
             gamma = self.controller.choose(len(active)) if self.controller else self.gamma
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             self.num_forwards += 1
-            other_s = _now(self.seq_BS) - t0 - draft_s - verify_s
+            other_s = synced_time(self.seq_BS) - t0 - draft_s - verify_s
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             self.stats.other_seconds += other_s
@@ -244,15 +245,15 @@ class SpeculativeEngine(GenerationEngine):
         rows_t = None if len(active) == self.batch_size else torch.tensor(active, device=device)
         rows_N = torch.tensor(active, device=device)
         n_N = torch.tensor([self.n[s] for s in active], device=device)
-        t0 = _now(self.seq_BS)
+        t0 = synced_time(self.seq_BS)
         if gamma > 0:
             draft_NG, q = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
-        t1 = _now(self.seq_BS)
+        t1 = synced_time(self.seq_BS)
         pending_N = self.seq_BS[rows_N, n_N]
         tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
         out = score_tokens(self.model, self.cache, tokens_NT, rows_t,
                            tap_layers=self.drafter.tap_layers)
-        t2 = _now(self.seq_BS)
+        t2 = synced_time(self.seq_BS)
         N, T = out.logits.shape[:2]
         if gamma == 0:  # the plain engine's draw, to the bit: same tokens for the same generator
             ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
@@ -297,14 +298,14 @@ class SpeculativeEngine(GenerationEngine):
         e_N = torch.tensor([self.e[s] for s in active], device=device)
         width_N = n_N - e_N + 1  # entries e..n, n being the pending token's
         W = max(self.n[s] - self.e[s] + 1 for s in active)
-        self._draft_start, self._catch_up_width = _now(self.seq_BS), W
+        self._draft_start, self._catch_up_width = synced_time(self.seq_BS), W
         idx_NW = torch.minimum(e_N[:, None] + torch.arange(W, device=device), n_N[:, None])
         feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NW]
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
                                      rows_t, width_N)
         last = torch.arange(len(active), device=device), width_N - 1
         logits_NV, state_NC = logits[last], None if state is None else state[last]
-        self._single_steps_start = _now(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
+        self._single_steps_start = synced_time(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
         drafts, qs, ids = [], [], self.draft_vocab_ids
         for j in range(gamma):
             # Warped and drawn over the head's columns; the same distribution as over the whole
@@ -320,7 +321,7 @@ class SpeculativeEngine(GenerationEngine):
                 logits, state = self.drafter(self.draft_cache, x_N[:, None],
                                              None if state_NC is None else state_NC[:, None], rows_t)
                 logits_NV, state_NC = logits[:, 0], None if state is None else state[:, 0]
-        self._single_steps_end = _now(self.seq_BS)
+        self._single_steps_end = synced_time(self.seq_BS)
         self.draft_cache.truncate(n_N + 1, rows_t)  # drop the speculative entries
         for s in active:
             self.e[s] = self.n[s] + 1
@@ -367,53 +368,3 @@ class SpeculativeEngine(GenerationEngine):
                                      capacity=self.capacity, stop_ids=self.stop_ids):
                 done[row.index], self.slots[s] = row, None
                 on_finish()
-
-
-def _now(like: Tensor) -> float:
-    """Wall time; on CUDA after a device sync, so phases are timed, not their launches."""
-    if like.is_cuda:
-        torch.cuda.synchronize(like.device)
-    return time.perf_counter()
-
-
-def calibrate(engine: SpeculativeEngine, *, context: int = 32, repeats: int = 2) -> None:
-    """Measure verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and the batch size,
-    into the engine controller's cost model (the online averages refine it during generation).
-    Uses the engine's own caches on dummy tokens and leaves them empty."""
-    cost, B, G = engine.controller.cost, engine.batch_size, engine.gamma
-    device = engine.seq_BS.device
-    sizes = sorted({min(2 ** i, B) for i in range(B.bit_length() + 1)})
-    context = min(context, engine.capacity - 1)
-    scratch_rng = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG alone
-    for N in sizes:
-        rows_t = None if N == B else torch.arange(N, device=device)
-        for T in range(1, G + 2):
-            best = float("inf")
-            for _ in range(repeats + 1):  # the first call warms up
-                engine.cache.reset()
-                engine.cache.advance(context)
-                t0 = _now(engine.seq_BS)
-                logits = score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device),
-                                      rows_t).logits
-                # What a step does with the logits, roughly: warp and draw at all N * T positions,
-                # then the host reads the results (the step's sync).
-                sample(probs_from_logits(logits.reshape(N * T, -1), 1.0), scratch_rng).tolist()
-                best = min(best, _now(engine.seq_BS) - t0)
-            cost.observe_verify(N, T, best)
-        for T in range(1, G + 2):
-            best = float("inf")
-            feats = (None if engine.feat_BSF is None
-                     else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
-                                      dtype=engine.feat_BSF.dtype))
-            for _ in range(repeats + 1):
-                engine.draft_cache.reset()
-                engine.draft_cache.advance(context)
-                t0 = _now(engine.seq_BS)
-                logits, _ = engine.drafter(engine.draft_cache, torch.full((N, T), 4, device=device),
-                                           feats, rows_t)
-                sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # the draw of a step
-                best = min(best, _now(engine.seq_BS) - t0)
-            cost.observe_draft(N, T, best)
-    engine.cache.reset()
-    engine.draft_cache.reset()
-

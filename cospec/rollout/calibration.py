@@ -1,0 +1,70 @@
+"""Calibration of the adaptive controller's cost model: measured verify and draft forwards.
+
+# N rows, T tokens (entries) per row, G = gamma, B batch size
+
+Before a speculative engine first generates with an adaptive controller, `calibrate` times
+verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens, so that the
+controller's first choices rest on measurements (`cospec.rollout.adaptive`); the online averages
+refine the table during generation. `synced_time` is the clock both this and the engine's step
+timing read.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import Tensor
+
+from cospec.rollout.engine import score_tokens
+from cospec.rollout.sampling import probs_from_logits, sample
+
+
+def synced_time(like: Tensor) -> float:
+    """Wall time; on CUDA after a device sync, so phases are timed, not their launches."""
+    if like.is_cuda:
+        torch.cuda.synchronize(like.device)
+    return time.perf_counter()
+
+
+def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
+    """Measure verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and the batch size,
+    into the engine controller's cost model (the online averages refine it during generation).
+    engine: a `SpeculativeEngine` with a controller. Uses the engine's own caches on dummy tokens
+    and leaves them empty."""
+    cost, B, G = engine.controller.cost, engine.batch_size, engine.gamma
+    device = engine.seq_BS.device
+    sizes = sorted({min(2 ** i, B) for i in range(B.bit_length() + 1)})
+    context = min(context, engine.capacity - 1)
+    scratch_rng = torch.Generator(device=device).manual_seed(0)  # leaves the global RNG alone
+    for N in sizes:
+        rows_t = None if N == B else torch.arange(N, device=device)
+        for T in range(1, G + 2):
+            best = float("inf")
+            for _ in range(repeats + 1):  # the first call warms up
+                engine.cache.reset()
+                engine.cache.advance(context)
+                t0 = synced_time(engine.seq_BS)
+                logits = score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device),
+                                      rows_t).logits
+                # What a step does with the logits, roughly: warp and draw at all N * T positions,
+                # then the host reads the results (the step's sync).
+                sample(probs_from_logits(logits.reshape(N * T, -1), 1.0), scratch_rng).tolist()
+                best = min(best, synced_time(engine.seq_BS) - t0)
+            cost.observe_verify(N, T, best)
+        for T in range(1, G + 2):
+            best = float("inf")
+            feats = (None if engine.feat_BSF is None
+                     else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
+                                      dtype=engine.feat_BSF.dtype))
+            for _ in range(repeats + 1):
+                engine.draft_cache.reset()
+                engine.draft_cache.advance(context)
+                t0 = synced_time(engine.seq_BS)
+                logits, _ = engine.drafter(engine.draft_cache, torch.full((N, T), 4, device=device),
+                                           feats, rows_t)
+                sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # the draw of a step
+                best = min(best, synced_time(engine.seq_BS) - t0)
+            cost.observe_draft(N, T, best)
+    engine.cache.reset()
+    engine.draft_cache.reset()
