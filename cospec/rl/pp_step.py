@@ -131,16 +131,7 @@ class PipelinedPolicyStep:
             raise ValueError(f"tap_layers {tuple(tap_layers)}: the TapChannel was built for "
                              f"{self.tap_layers}")
         device = next(self.model.parameters()).device
-        mbs = wholes = [m.to(device) for m in mb.split(self.num_microbatches)]  # split on the host
-        layouts = None
-        if self.cp_group is not None:  # every microbatch zigzag-sharded over the stage's cp ranks
-            from cospec.rl.cp_step import shard_minibatch
-            from cospec.parallel.zigzag import ZigzagLayout
-
-            layouts = [ZigzagLayout.build(m.cu_seqlens, self.cp) for m in mbs]
-            mbs = [shard_minibatch(m, lay, self.cp_rank) for m, lay in zip(mbs, layouts)]
-            for m, lay in zip(mbs, layouts):
-                m.positions = lay.local_positions(self.cp_rank)
+        mbs, wholes, layouts = self._split(mb, device)
         ref_logits = self.reference_logits(mbs)
         sums: list[Tensor] = []
 
@@ -153,22 +144,7 @@ class PipelinedPolicyStep:
         captured: list[TTTBatch] = []
 
         def capture(micro: Microbatch, logits_TV: Tensor, _num_microbatches: int) -> None:
-            # The channel's slots are reused by the next step: keep copies.
-            feats = self.taps.wait(micro.index, self.tap_layers)
-            if layouts is None:
-                captured.append(TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
-                                         loss_mask=micro.loss_mask,
-                                         taps={k: v.clone() for k, v in feats.items()},
-                                         policy_logits=logits_TV))
-                return
-            # pp x cp: the shards back into the whole microbatch (the draft's TTT inputs cross
-            # chunk edges; `cospec.rl.cp_step` explains the gather).
-            lay, whole = layouts[micro.index], wholes[micro.index]
-            gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
-            captured.append(TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens,
-                                     loss_mask=whole.loss_mask,
-                                     taps={k: gather(v) for k, v in feats.items()},
-                                     policy_logits=gather(logits_TV)))
+            captured.append(self._draft_batch(micro, logits_TV, wholes, layouts))
 
         with_taps = bool(tap_layers)
         step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
@@ -179,17 +155,61 @@ class PipelinedPolicyStep:
                              loss_mask=m.loss_mask, index=m.index, positions=m.positions)
                   for m in mbs], step=self.num_steps)
         self.num_steps += 1
-        if self.cp_group is not None:  # the stage's replicas: their shards' gradients summed
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    dist.all_reduce(p.grad, group=self.cp_group)
+        self._sum_gradients_over_cp()
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm_across_stages(
             list(self.model.parameters()), self.grad_clip, self.pipe_group))
+        return (self._broadcast_sums(sums, device), grad_norm,
+                [cat_batches(captured)] if captured else [])
+
+    def _split(self, mb: PolicyMinibatch, device) -> tuple[list[PolicyMinibatch],
+                                                           list[PolicyMinibatch], list | None]:
+        """The minibatch's M microbatches on the device as this rank runs them (under pp x cp, its
+        zigzag shard of each), the whole microbatches, and their `ZigzagLayout`s (None without cp)."""
+        wholes = [m.to(device) for m in mb.split(self.num_microbatches)]  # split on the host
+        if self.cp_group is None:
+            return wholes, wholes, None
+        from cospec.rl.cp_step import shard_minibatch
+        from cospec.parallel.zigzag import ZigzagLayout
+
+        layouts = [ZigzagLayout.build(m.cu_seqlens, self.cp) for m in wholes]
+        mbs = [shard_minibatch(m, lay, self.cp_rank) for m, lay in zip(wholes, layouts)]
+        for m, lay in zip(mbs, layouts):
+            m.positions = lay.local_positions(self.cp_rank)
+        return mbs, wholes, layouts
+
+    def _draft_batch(self, micro: Microbatch, logits_TV: Tensor, wholes: list[PolicyMinibatch],
+                     layouts: list | None) -> TTTBatch:
+        """The draft's training inputs of microbatch ``micro`` on the last stage: its tapped
+        features (waited for on the channel) and the policy's detached logits ``logits_TV``."""
+        # The channel's slots are reused by the next step: keep copies.
+        feats = self.taps.wait(micro.index, self.tap_layers)
+        if layouts is None:
+            return TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
+                            loss_mask=micro.loss_mask, taps={k: v.clone() for k, v in feats.items()},
+                            policy_logits=logits_TV)
+        # pp x cp: the shards back into the whole microbatch (the draft's TTT inputs cross
+        # chunk edges; `cospec.rl.cp_step` explains the gather).
+        lay, whole = layouts[micro.index], wholes[micro.index]
+        gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
+        return TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens, loss_mask=whole.loss_mask,
+                        taps={k: gather(v) for k, v in feats.items()},
+                        policy_logits=gather(logits_TV))
+
+    def _sum_gradients_over_cp(self) -> None:
+        """Under pp x cp, the stage's replicas each hold their shards' gradients: sum them."""
+        if self.cp_group is None:
+            return
+        for p in self.model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=self.cp_group)
+
+    def _broadcast_sums(self, sums: list[Tensor], device) -> Tensor:
+        """Step 4: the minibatch's summed statistics (`SUMS`) from the last stage, on every rank."""
         total = torch.stack(sums).sum(0) if self.last else torch.zeros(len(SUMS), device=device)
         if self.last and self.cp_group is not None:
             dist.all_reduce(total, group=self.cp_group)
         dist.broadcast(total, self.last_rank, group=self.pipe_group)
-        return total, grad_norm, [cat_batches(captured)] if captured else []
+        return total
 
 
 class StageWeightSync:
