@@ -17,6 +17,7 @@ import base64
 import html
 import io
 import json
+from functools import partial
 from pathlib import Path
 
 from cospec.metrics.run_log import read_jsonl
@@ -42,14 +43,15 @@ def _mean(values) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def _figure(draw, figsize=(6, 3.6)):
+def _figure(draw, figsize=(6, 3.6)) -> bytes:
+    """The PNG of a figure that ``draw(axes)`` fills (two side by side when ``figsize`` is wide)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2 if figsize[0] > 8 else 1, figsize=figsize)
-    draw(fig, axes)
+    draw(axes)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100)
@@ -58,82 +60,104 @@ def _figure(draw, figsize=(6, 3.6)):
 
 
 def make_figures(runs: dict[str, list[dict]], bench: dict | None = None) -> dict[str, bytes]:
+    """{file name: PNG} of every figure the runs (and a rollout benchmark JSON) have data for; the
+    acceptance and overshoot figures need speculative runs, the speedup figure the benchmark."""
     colors = {name: COLORS[i % len(COLORS)] for i, name in enumerate(runs)}
     spec = {n: h for n, h in runs.items() if "accept_length" in h[0]}
-    figs = {}
-
-    def reward(fig, ax):
-        for n, h in runs.items():
-            ax.plot([r["step"] for r in h], [r["reward"] for r in h], label=n, color=colors[n], alpha=0.8)
-        ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
-        ax.legend()
-    figs["reward_vs_step.png"] = _figure(reward)
-
-    def tau_kl(fig, axes):
-        for n, h in runs.items():
-            if n in spec:
-                axes[0].plot([r["step"] for r in h], [r["accept_length"] for r in h], label=n, color=colors[n])
-            axes[1].plot([r["step"] for r in h], [r["kl_from_init"] for r in h], label=n, color=colors[n])
-        axes[0].set(xlabel="RL step", ylabel="tau", title="Accept length (tokens per policy forward)")
-        axes[1].set(xlabel="RL step", ylabel="KL per token", title="Policy KL from its start")
-        for ax in axes:
-            ax.legend()
-    figs["tau_and_kl_vs_step.png"] = _figure(tau_kl, figsize=(11, 3.6))
-
-    def grouped(values_by_run: dict[str, list[float | None]], labels, title, ylabel, xlabel):
-        def draw(fig, ax):
-            width = 0.8 / max(len(values_by_run), 1)
-            for i, (n, vals) in enumerate(values_by_run.items()):
-                xs = [j + i * width for j in range(len(labels))]
-                ax.bar(xs, [v or 0.0 for v in vals], width=width, label=n, color=colors[n])
-            ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels)
-            ax.set(title=title, ylabel=ylabel, xlabel=xlabel)
-            ax.legend()
-        return draw
-
+    figs = {"reward_vs_step.png": _figure(partial(_draw_reward, runs, colors)),
+            "tau_and_kl_vs_step.png": _figure(partial(_draw_tau_and_kl, runs, spec, colors),
+                                              figsize=(11, 3.6))}
     if spec:
-        positions = len(next(iter(spec.values()))[0]["acceptance_by_position"])
-        figs["acceptance_by_position.png"] = _figure(grouped(
-            {n: [_mean(r["acceptance_by_position"][j] for r in h) for j in range(positions)]
-             for n, h in spec.items()},
-            [str(j + 1) for j in range(positions)], "Acceptance per draft position", "acceptance",
-            "draft position"))
-        families = sorted({f for h in spec.values() for r in h for f in r.get("acceptance_by_family", {})})
-        figs["acceptance_by_family.png"] = _figure(grouped(
-            {n: [_mean(r.get("acceptance_by_family", {}).get(f) for r in h) for f in families]
-             for n, h in spec.items()}, families, "Acceptance per task family", "acceptance",
-            "task family"))
-        figs["overshoot_by_position.png"] = _figure(grouped(
-            {n: [_mean((r.get("overshoot_by_position") or [{}] * positions)[j].get("frac_q_above_p")
-                       if r.get("overshoot_by_position") and r["overshoot_by_position"][j] else None
-                       for r in h) for j in range(positions)] for n, h in spec.items()},
-            [str(j + 1) for j in range(positions)], "Overshoot: drafted tokens with q(x) > p(x)",
-            "share of drafted tokens", "draft position"))
-
-    def split(fig, ax):
-        parts = ["generate", "train_policy", "train_draft", "other"]
-        bottom = [0.0] * len(runs)
-        for part in parts:
-            vals = [_mean(r["time"].get(part, 0.0) for r in h[1:] or h) for h in runs.values()]
-            ax.bar(list(runs), vals, bottom=bottom, label=part)
-            bottom = [b + v for b, v in zip(bottom, vals)]
-        ax.set(ylabel="seconds per RL step", title="Step time split")
-        ax.legend()
-    figs["step_time_split.png"] = _figure(split)
-
+        figs.update(_acceptance_figures(spec, colors))
+    figs["step_time_split.png"] = _figure(partial(_draw_step_time_split, runs))
     if bench and bench.get("results"):
-        def speedup(fig, ax):
-            rows = bench["results"]
-            bs = [r["batch_size"] for r in rows]
-            ax.plot(bs, [r["speedup"] for r in rows], "o-", label=f"gamma {bench.get('meta', {}).get('gamma', '')}")
-            ax.plot(bs, [r["adaptive_speedup"] for r in rows], "s-", label="adaptive")
-            ax.plot(bs, [r["ideal_speedup"] for r in rows], "x--", label="ideal (cost model)")
-            ax.axhline(1.0, color="gray", lw=0.8)
-            ax.set_xscale("log", base=2)
-            ax.set(xlabel="batch size", ylabel="tokens/s vs plain", title="Rollout speedup vs batch size")
-            ax.legend()
-        figs["rollout_speedup_vs_batch.png"] = _figure(speedup)
+        figs["rollout_speedup_vs_batch.png"] = _figure(partial(_draw_rollout_speedup, bench))
     return figs
+
+
+def _draw_reward(runs: dict[str, list[dict]], colors: dict[str, str], ax) -> None:
+    for n, h in runs.items():
+        ax.plot([r["step"] for r in h], [r["reward"] for r in h], label=n, color=colors[n], alpha=0.8)
+    ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
+    ax.legend()
+
+
+def _draw_tau_and_kl(runs: dict[str, list[dict]], spec: dict[str, list[dict]],
+                     colors: dict[str, str], axes) -> None:
+    for n, h in runs.items():
+        if n in spec:
+            axes[0].plot([r["step"] for r in h], [r["accept_length"] for r in h], label=n, color=colors[n])
+        axes[1].plot([r["step"] for r in h], [r["kl_from_init"] for r in h], label=n, color=colors[n])
+    axes[0].set(xlabel="RL step", ylabel="tau", title="Accept length (tokens per policy forward)")
+    axes[1].set(xlabel="RL step", ylabel="KL per token", title="Policy KL from its start")
+    for ax in axes:
+        ax.legend()
+
+
+def _acceptance_figures(spec: dict[str, list[dict]], colors: dict[str, str]) -> dict[str, bytes]:
+    """The speculative runs' acceptance per draft position and per task family, and overshoot per
+    draft position, each a group of bars per run (means over the run's steps)."""
+    positions = len(next(iter(spec.values()))[0]["acceptance_by_position"])
+    position_labels = [str(j + 1) for j in range(positions)]
+    families = sorted({f for h in spec.values() for r in h for f in r.get("acceptance_by_family", {})})
+    by_position = {n: [_mean(r["acceptance_by_position"][j] for r in h) for j in range(positions)]
+                   for n, h in spec.items()}
+    by_family = {n: [_mean(r.get("acceptance_by_family", {}).get(f) for r in h) for f in families]
+                 for n, h in spec.items()}
+    overshoot = {n: [_mean(_share_q_above_p(r, j) for r in h) for j in range(positions)]
+                 for n, h in spec.items()}
+    return {
+        "acceptance_by_position.png": _figure(partial(
+            _draw_grouped_bars, by_position, position_labels, colors, "Acceptance per draft position",
+            "acceptance", "draft position")),
+        "acceptance_by_family.png": _figure(partial(
+            _draw_grouped_bars, by_family, families, colors, "Acceptance per task family",
+            "acceptance", "task family")),
+        "overshoot_by_position.png": _figure(partial(
+            _draw_grouped_bars, overshoot, position_labels, colors,
+            "Overshoot: drafted tokens with q(x) > p(x)", "share of drafted tokens", "draft position")),
+    }
+
+
+def _share_q_above_p(row: dict, j: int) -> float | None:
+    """A step's share of drafted tokens at draft position j+1 with q(x) > p(x); None where the step
+    has no overshoot figure there (no drafted token at that position was measured)."""
+    by_position = row.get("overshoot_by_position")
+    return by_position[j].get("frac_q_above_p") if by_position and by_position[j] else None
+
+
+def _draw_grouped_bars(values_by_run: dict[str, list[float | None]], labels: list[str],
+                       colors: dict[str, str], title: str, ylabel: str, xlabel: str, ax) -> None:
+    width = 0.8 / max(len(values_by_run), 1)
+    for i, (n, vals) in enumerate(values_by_run.items()):
+        xs = [j + i * width for j in range(len(labels))]
+        ax.bar(xs, [v or 0.0 for v in vals], width=width, label=n, color=colors[n])
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels)
+    ax.set(title=title, ylabel=ylabel, xlabel=xlabel)
+    ax.legend()
+
+
+def _draw_step_time_split(runs: dict[str, list[dict]], ax) -> None:
+    parts = ["generate", "train_policy", "train_draft", "other"]
+    bottom = [0.0] * len(runs)
+    for part in parts:
+        vals = [_mean(r["time"].get(part, 0.0) for r in h[1:] or h) for h in runs.values()]
+        ax.bar(list(runs), vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax.set(ylabel="seconds per RL step", title="Step time split")
+    ax.legend()
+
+
+def _draw_rollout_speedup(bench: dict, ax) -> None:
+    rows = bench["results"]
+    bs = [r["batch_size"] for r in rows]
+    ax.plot(bs, [r["speedup"] for r in rows], "o-", label=f"gamma {bench.get('meta', {}).get('gamma', '')}")
+    ax.plot(bs, [r["adaptive_speedup"] for r in rows], "s-", label="adaptive")
+    ax.plot(bs, [r["ideal_speedup"] for r in rows], "x--", label="ideal (cost model)")
+    ax.axhline(1.0, color="gray", lw=0.8)
+    ax.set_xscale("log", base=2)
+    ax.set(xlabel="batch size", ylabel="tokens/s vs plain", title="Rollout speedup vs batch size")
+    ax.legend()
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
