@@ -36,7 +36,7 @@ MAX_FUNCTION_LINES = 60
 # Today's offenders, allowed for now. These sets must only shrink: split the module or function,
 # then remove it here (the tests fail while a listed one is no longer over the limit).
 LONG_MODULES = {"cospec/config.py", "cospec/rl/trainer.py", "cospec/cli.py"}
-LONG_FUNCTIONS = {"cospec/cli.py:build_parser", "cospec/bench/rollout.py:run_cli"}
+LONG_FUNCTIONS = {"cospec/cli.py:build_parser"}
 
 
 def _module_name(path: Path) -> str:

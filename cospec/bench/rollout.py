@@ -32,6 +32,7 @@ import math
 import platform
 import random
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -169,87 +170,145 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class _BenchInputs:
+    """What every measurement of one `run_cli` shares."""
+
+    cfg: RunConfig  # the run's, at the rollout dtype when one is set
+    start_policy: torch.nn.Module  # the starting policy as loaded: the drafts are trained on it
+    policy: torch.nn.Module  # the copy every method decodes with
+    eagle: torch.nn.Module  # the EAGLE-3 draft, at the same dtype
+    data: TaskData  # prompts, tokenizer and its stop ids
+    sampling: SamplingConfig
+    device: torch.device
+    quick: bool
+    workload: str
+
+    @property
+    def gamma(self) -> int:
+        return self.cfg.rollout.gamma
+
+    @property
+    def repeats(self) -> int:
+        return 1 if self.quick else 3
+
+    def prompts(self, n: int, seed: int = 2024) -> list[list[int]]:
+        return task_prompts(self.cfg, n, seed, workload=self.workload, data=self.data)
+
+    def bench(self, draft, prompts, *, batch_size: int, **kwargs) -> dict:
+        """`bench_batch_size` of the policy with ``draft`` at the run's sampling and gamma."""
+        return bench_batch_size(self.policy, draft, prompts, self.sampling, batch_size=batch_size,
+                                gamma=self.gamma, repeats=self.repeats,
+                                stop_ids=self.data.tokenizer.stop_ids, **kwargs)
+
+
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
             hf: bool = True, workload: str = "tasks") -> dict:
     """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
+    run = _load_inputs(cfg, quick=quick, workload=workload)
+    rows = []
+    for B in batch_sizes:
+        prompts = run.prompts(max(16 if quick else 24, 2 * B) // (2 if quick else 1))
+        rows.append(run.bench(run.eagle, prompts, batch_size=B,
+                              overshoot_every=run.cfg.rollout.overshoot_every))
+        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+    out = {"results": rows}
+    if hf and run.cfg.model.path:
+        out.update(_hf_plain_on_the_checkpoint(run))
+    elif hf:
+        out.update(_hf_assisted_with_a_draft_lm(run, rows))
+    print()
+    print(format_table(rows))
+    out["meta"] = _meta(run)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(out, f, indent=2)
+    return out
+
+
+def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str) -> _BenchInputs:
+    """The starting policy and its EAGLE-3 draft (trained or reused), at the rollout dtype; prints
+    what is measured."""
     from cospec.config import apply
-    from cospec.draft.offline import draft_dir, load_or_train_draft
+    from cospec.draft.offline import load_or_train_draft
     from cospec.models.loading import inference_copy
     from cospec.starting_policy import load_policy, pick_device
 
     device = pick_device(cfg.device)
     start = load_policy(cfg, device)
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
-    stops = data.tokenizer.stop_ids
     eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data)
     if cfg.rollout.dtype:  # every method, HF's included, decodes at the rollout dtype
         policy, eagle = inference_copy(policy, cfg.rollout.dtype), inference_copy(eagle, cfg.rollout.dtype)
         cfg = apply(cfg, {"model": {"dtype": cfg.rollout.dtype}})
-    gamma, repeats = cfg.rollout.gamma, 1 if quick else 3
     s = cfg.sampling
     sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               max_new_tokens=s.max_new_tokens)
     print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
-          f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {gamma}, temperature "
-          f"{s.temperature}, workload {workload}, dtype {cfg.model.dtype}, "
+          f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {cfg.rollout.gamma}, "
+          f"temperature {s.temperature}, workload {workload}, dtype {cfg.model.dtype}, "
           f"threads {torch.get_num_threads()}, device {device}")
-    rows = []
-    for B in batch_sizes:
-        prompts = task_prompts(cfg, max(16 if quick else 24, 2 * B) // (2 if quick else 1),
-                               workload=workload, data=data)
-        rows.append(bench_batch_size(policy, eagle, prompts, sampling, batch_size=B, gamma=gamma,
-                                     repeats=repeats, stop_ids=stops,
-                                     overshoot_every=cfg.rollout.overshoot_every))
-        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
-    out = {"results": rows}
-    if hf and cfg.model.path:  # a checkpoint: HF's plain sampling on the same file and prompts
-        import tempfile
-        from pathlib import Path
+    return _BenchInputs(cfg=cfg, start_policy=start.policy, policy=policy, eagle=eagle, data=data,
+                        sampling=sampling, device=device, quick=quick, workload=workload)
 
-        from cospec.bench.generation import load_hf_model
 
-        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload, data=data)
-        with tempfile.TemporaryDirectory() as tmp:
-            hf_policy = load_hf_model(cfg, policy, Path(tmp))
-        same = bench_batch_size(policy, eagle, prompts, sampling, batch_size=1, gamma=gamma,
-                                repeats=repeats, stop_ids=stops)
-        out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats,
-                                                  stop_ids=stops, pad_id=data.tokenizer.pad_id)
-        out["cospec_same_prompts_spec_tok_s"] = same["spec_tok_s"]
-        out["cospec_same_prompts_plain_tok_s"] = same["plain_tok_s"]
-        print(f"batch 1: HF plain generate {out['hf_plain_tok_s']:.1f} tok/s, cospec plain "
-              f"{same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
-              f"(tau {same['accept_length']:.2f}): {same['spec_tok_s'] / out['hf_plain_tok_s']:.2f}x HF")
-    elif hf:
-        lm_cfg = apply(cfg, {"draft": {"kind": "lm"}})
-        draft_lm, _ = load_or_train_draft(lm_cfg, start.policy)
-        draft_lm = inference_copy(draft_lm, cfg.rollout.dtype)
-        prompts = task_prompts(cfg, 8 if quick else 16, seed=77, workload=workload, data=data)
-        same = bench_batch_size(policy, draft_lm, prompts, sampling, batch_size=1, gamma=gamma,
-                                repeats=repeats, stop_ids=stops)
-        # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
-        hf_policy, hf_draft = load_hf_pair(f"{cfg.out_dir}/sft", draft_dir(lm_cfg), gamma,
-                                           dtype=next(policy.parameters()).dtype)
-        out["hf_plain_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling, repeats=repeats)
-        out["hf_assisted_tok_s"] = hf_generate_tok_s(hf_policy, prompts, sampling,
-                                                     assistant=hf_draft, repeats=repeats)
-        out["cospec_same_draft_tok_s"] = same["spec_tok_s"]
-        out["cospec_same_draft_plain_tok_s"] = same["plain_tok_s"]
-        out["cospec_same_draft_accept_length"] = same["accept_length"]
-        print(f"batch 1, standalone draft LM ({sum(p.numel() for p in draft_lm.parameters()) / 1e6:.2f}M): "
-              f"HF plain {out['hf_plain_tok_s']:.1f} tok/s, HF assisted {out['hf_assisted_tok_s']:.1f}, "
-              f"cospec plain {same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
-              f"(tau {same['accept_length']:.2f}); cospec EAGLE-3 {rows[0]['spec_tok_s']:.1f}; "
-              f"cospec EAGLE-3 / HF assisted = {rows[0]['spec_tok_s'] / out['hf_assisted_tok_s']:.2f}x")
-    print()
-    print(format_table(rows))
-    out["meta"] = {"model": cfg.to_dict()["model"], "task": cfg.to_dict()["task"],
-                   "draft_vocab_size": eagle.draft_vocab_size, "gamma": gamma,
-                   "sampling": cfg.to_dict()["sampling"],
-                   "torch": torch.__version__, "machine": platform.machine(),
-                   "threads": torch.get_num_threads(), "device": str(device), "quick": quick,
-                   "workload": workload}
-    if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
-    return out
+def _hf_plain_on_the_checkpoint(run: _BenchInputs) -> dict:
+    """Batch 1 on a checkpoint (``model.path``): HF's plain sampling of the same file beside
+    cospec's plain and speculative engines, on the same prompts."""
+    import tempfile
+    from pathlib import Path
+
+    from cospec.bench.generation import load_hf_model
+
+    prompts = run.prompts(8 if run.quick else 16, seed=77)
+    with tempfile.TemporaryDirectory() as tmp:
+        hf_policy = load_hf_model(run.cfg, run.policy, Path(tmp))
+    same = run.bench(run.eagle, prompts, batch_size=1)
+    hf_tok_s = hf_generate_tok_s(hf_policy, prompts, run.sampling, repeats=run.repeats,
+                                 stop_ids=run.data.tokenizer.stop_ids, pad_id=run.data.tokenizer.pad_id)
+    print(f"batch 1: HF plain generate {hf_tok_s:.1f} tok/s, cospec plain "
+          f"{same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
+          f"(tau {same['accept_length']:.2f}): {same['spec_tok_s'] / hf_tok_s:.2f}x HF")
+    return {"hf_plain_tok_s": hf_tok_s, "cospec_same_prompts_spec_tok_s": same["spec_tok_s"],
+            "cospec_same_prompts_plain_tok_s": same["plain_tok_s"]}
+
+
+def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict]) -> dict:
+    """Batch 1 on the embedded model: HF's assisted generation with a standalone draft LM (trained
+    or reused) beside HF's plain sampling and cospec's engines with the same draft LM; ``rows``
+    gives cospec's EAGLE-3 figure at batch 1 to compare."""
+    from cospec.config import apply
+    from cospec.draft.offline import draft_dir, load_or_train_draft
+    from cospec.models.loading import inference_copy
+
+    lm_cfg = apply(run.cfg, {"draft": {"kind": "lm"}})
+    draft_lm, _ = load_or_train_draft(lm_cfg, run.start_policy)
+    draft_lm = inference_copy(draft_lm, run.cfg.rollout.dtype)
+    prompts = run.prompts(8 if run.quick else 16, seed=77)
+    same = run.bench(draft_lm, prompts, batch_size=1)
+    # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
+    hf_policy, hf_draft = load_hf_pair(f"{run.cfg.out_dir}/sft", draft_dir(lm_cfg), run.gamma,
+                                       dtype=next(run.policy.parameters()).dtype)
+    hf_plain = hf_generate_tok_s(hf_policy, prompts, run.sampling, repeats=run.repeats)
+    hf_assisted = hf_generate_tok_s(hf_policy, prompts, run.sampling, assistant=hf_draft,
+                                    repeats=run.repeats)
+    print(f"batch 1, standalone draft LM ({sum(p.numel() for p in draft_lm.parameters()) / 1e6:.2f}M): "
+          f"HF plain {hf_plain:.1f} tok/s, HF assisted {hf_assisted:.1f}, "
+          f"cospec plain {same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
+          f"(tau {same['accept_length']:.2f}); cospec EAGLE-3 {rows[0]['spec_tok_s']:.1f}; "
+          f"cospec EAGLE-3 / HF assisted = {rows[0]['spec_tok_s'] / hf_assisted:.2f}x")
+    return {"hf_plain_tok_s": hf_plain, "hf_assisted_tok_s": hf_assisted,
+            "cospec_same_draft_tok_s": same["spec_tok_s"],
+            "cospec_same_draft_plain_tok_s": same["plain_tok_s"],
+            "cospec_same_draft_accept_length": same["accept_length"]}
+
+
+def _meta(run: _BenchInputs) -> dict:
+    """What the figures were measured on, for the JSON."""
+    config = run.cfg.to_dict()
+    return {"model": config["model"], "task": config["task"],
+            "draft_vocab_size": run.eagle.draft_vocab_size, "gamma": run.gamma,
+            "sampling": config["sampling"],
+            "torch": torch.__version__, "machine": platform.machine(),
+            "threads": torch.get_num_threads(), "device": str(run.device), "quick": run.quick,
+            "workload": run.workload}
