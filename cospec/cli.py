@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import sys
 from pathlib import Path
@@ -17,17 +16,20 @@ from pathlib import Path
 import torch
 
 from cospec import config as config_mod
+from cospec.artifacts import load_or_train_sft, load_policy, pick_device
 from cospec.config import ConfigError, RunConfig
 from cospec.data.prompts import TaskData
-from cospec.metrics.run_log import finite_or_none
+from cospec.evaluate import measure_speculation, print_accuracy
 from cospec.models.integrity import CheckpointError, NonFiniteError
-from cospec.starting_policy import load_or_train_sft, load_policy, pick_device
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipe", default="default", help=f"named recipe ({', '.join(config_mod.RECIPES)})")
     p.add_argument("--config", dest="config_file", help="YAML/TOML/JSON file laid over the recipe")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, applied last")
+    p.add_argument("--reuse", action="store_true",
+                   help="reuse the SFT policy and drafts in out_dir even when they were made with "
+                        "other settings (default: rebuild them, saying which settings differ)")
 
 
 def _resolve(args, *, checkpoint_required: bool = True) -> RunConfig:
@@ -37,8 +39,12 @@ def _resolve(args, *, checkpoint_required: bool = True) -> RunConfig:
     from cospec.models.loading import with_checkpoint_model
 
     cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
+    for warning in config_mod.no_effect_warnings(cfg):
+        print(f"cospec: warning: {warning}", file=sys.stderr)
     try:
         return with_checkpoint_model(cfg)
+    except ConfigError:  # a field that does not fit the checkpoint's architecture
+        raise
     except ValueError as e:  # a missing package or file, an unsupported architecture
         if checkpoint_required:
             raise ConfigError(str(e)) from e
@@ -56,21 +62,6 @@ def cmd_config(args) -> int:
     return 0
 
 
-def _print_accuracy(metrics: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    console = Console()
-    console.print(f"SFT: {metrics['num_params'] / 1e6:.2f}M params, {metrics['steps']} steps, "
-                  f"{metrics['train_seconds']:.0f}s train, final loss {metrics['final_loss']:.3f}")
-    t = Table()
-    t.add_column("family")
-    t.add_column("greedy accuracy", justify="right")
-    for k, v in metrics["accuracy"].items():
-        t.add_row(k, f"{v:.1%}")
-    console.print(t)
-
-
 def cmd_sft(args) -> int:
     cfg = _resolve(args)
     if cfg.model.path:
@@ -78,71 +69,16 @@ def cmd_sft(args) -> int:
                           f"the synthetic tasks; a pretrained checkpoint is used as it is")
     device = pick_device(cfg.device)
     _, metrics = load_or_train_sft(cfg, device, force=True)
-    _print_accuracy(metrics)
+    print_accuracy(metrics)
     return 0
-
-
-DEMO_MODES = ("none", "frozen", "cotrain-ce")
 
 
 def cmd_demo(args) -> int:
-    """The main job: SFT, the initial draft, the same seeded GRPO run with plain rollouts, a frozen
-    draft and a co-trained draft, then the report and a summary table."""
-    from cospec.config import apply
-    from cospec.draft.offline import load_or_train_draft
-    from cospec.experiments import stale_draft
-    from cospec.metrics.report import write_report
+    """The main job (`cospec.experiments.demo`) on the resolved config."""
+    from cospec.experiments.demo import run_demo
 
-    cfg = _resolve(args)
-    if not any(o.startswith("grpo.steps=") for o in args.overrides):
-        cfg = apply(cfg, {"grpo": {"steps": 20}})  # the demo's budget; override to run longer
-    device = pick_device(cfg.device)
-    start = load_policy(cfg, device)
-    policy = start.policy
-    if start.sft_metrics is not None:
-        _print_accuracy(start.sft_metrics)
-    draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
-                                   data=TaskData.from_config(cfg.task, start.tokenizer))
-    result = stale_draft.run_cli(cfg, modes=list(DEMO_MODES), policy=policy, draft=draft,
-                                 tokenizer=start.tokenizer, show=False)
-    out = Path(cfg.out_dir)
-    bench = out / "rollout.json"
-    report = write_report([out / "stale-draft" / m for m in DEMO_MODES], out / "report",
-                          bench_json=bench if bench.exists() else None, config=cfg.to_dict(),
-                          commands=["cospec demo " + " ".join(args.overrides)])
-    print(demo_summary(result["summary"]))
-    (out / "summary.json").write_text(json.dumps(finite_or_none(demo_summary_data(result["summary"])),
-                                                 indent=1))
-    print(f"report: {report}; summary: {out / 'summary.json'}")
+    run_demo(_resolve(args), reuse=args.reuse, command="cospec demo " + " ".join(args.overrides))
     return 0
-
-
-DEMO_SUMMARY_FIELDS = {"reward_start": "reward_first", "reward_end": "reward_last",
-                       "tau_start": "tau_first", "tau_end": "tau_last",
-                       "rollout_speedup": "rollout_speedup_vs_none",
-                       "end_to_end_speedup": "e2e_speedup_vs_none", "cotrain_share": "train_draft_share"}
-
-
-def demo_summary_data(summary: dict) -> dict:
-    """{mode: {reward_start, reward_end, tau_start, tau_end, rollout_speedup, end_to_end_speedup,
-    cotrain_share}}: the demo's table as data (None where a mode has no such figure: plain
-    rollouts have no tau)."""
-    return {mode: {name: r.get(key) for name, key in DEMO_SUMMARY_FIELDS.items()}
-            for mode, r in summary.items()}
-
-
-def demo_summary(summary: dict) -> str:
-    """The table the demo ends with (one row per mode)."""
-    head = f"{'mode':>11} {'reward start':>12} {'end':>6} {'tau start':>9} {'end':>6} " \
-           f"{'rollout x':>9} {'end-to-end x':>12} {'co-training share':>17}"
-    lines = [head, "-" * len(head)]
-    for mode, r in summary.items():
-        f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
-        lines.append(f"{mode:>11} {r['reward_first']:>12.3f} {r['reward_last']:>6.3f} "
-                     f"{f('tau_first', '.2f'):>9} {f('tau_last', '.2f'):>6} "
-                     f"{f('rollout_speedup_vs_none', '.2f'):>9} {f('e2e_speedup_vs_none', '.2f'):>12} "
-                     f"{r['train_draft_share']:>17.1%}")
-    return "\n".join(lines)
 
 
 def cmd_eval(args) -> int:
@@ -151,7 +87,7 @@ def cmd_eval(args) -> int:
     from cospec.evaluate import evaluate_policy, format_table
 
     cfg = _resolve(args)
-    start = load_policy(cfg, pick_device(cfg.device))
+    start = load_policy(cfg, pick_device(cfg.device), reuse=args.reuse)
     data = TaskData.from_config(cfg.task, start.tokenizer)
     temps = ([float(t) for t in args.temperatures.split(",")] if args.temperatures
              else [cfg.sampling.temperature])
@@ -174,7 +110,8 @@ def cmd_export(args) -> int:
 
     cfg = _resolve(args)
     try:
-        export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device))
+        export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device),
+                   reuse=args.reuse)
     except ValueError as e:  # what the target layouts cannot express (e.g. repeated tap layers)
         raise ConfigError(f"export: {e}") from e
     return 0
@@ -188,34 +125,13 @@ def cmd_report(args) -> int:
     return 0
 
 
-def measure_speculation(cfg: RunConfig, policy, draft, data: TaskData, *, num_prompts: int = 64,
-                        seed: int = 4321):
-    """Speculative generation of held-out task prompts at the config's sampling and gamma:
-    (result, plain result) on the same prompts, for a quick look at tau and speedup."""
-    from cospec.models.loading import inference_copy
-    from cospec.rollout.engine import GenerationEngine
-    from cospec.rollout.speculative import SpeculativeEngine
-
-    rng = random.Random(seed)
-    prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]
-    device = next(policy.parameters()).device
-    B, s, stops = cfg.sampling.batch_size, cfg.sampling, data.tokenizer.stop_ids
-    if cfg.rollout.dtype:  # as rollouts run
-        policy, draft = inference_copy(policy, cfg.rollout.dtype), inference_copy(draft, cfg.rollout.dtype)
-    spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma, stop_ids=stops).generate(
-        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
-    plain = GenerationEngine(policy, batch_size=B, stop_ids=stops).generate(
-        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
-    return spec, plain
-
-
 def cmd_draft_train(args) -> int:
     """Train a draft on the SFT policy's own samples (the frozen draft; co-training's start)."""
-    from cospec.draft.offline import load_or_train_draft
+    from cospec.artifacts import load_or_train_draft
 
     cfg = _resolve(args)
     device = pick_device(cfg.device)
-    start = load_policy(cfg, device)
+    start = load_policy(cfg, device, reuse=args.reuse)
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
     draft, metrics = load_or_train_draft(cfg, policy, force=True, data=data)
     print(f"draft ({cfg.draft.kind}): {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
@@ -256,7 +172,7 @@ def cmd_train(args) -> int:
 def _train(cfg, args, group) -> int:
     import torch.distributed as dist
 
-    from cospec.draft.offline import load_or_train_draft
+    from cospec.artifacts import load_or_train_draft
     from cospec.models.integrity import read_json_object
     from cospec.rl.checkpoint import check_resumable, latest_checkpoint
     from cospec.rl.trainer import GRPOTrainer
@@ -279,9 +195,9 @@ def _train(cfg, args, group) -> int:
 
     def load_models():
         torch.manual_seed(cfg.grpo.seed)
-        start = load_policy(cfg, device)
+        start = load_policy(cfg, device, reuse=args.reuse)
         data = TaskData.from_config(cfg.task, start.tokenizer)
-        draft = (load_or_train_draft(cfg, start.policy, data=data)[0]
+        draft = (load_or_train_draft(cfg, start.policy, data=data, reuse=args.reuse)[0]
                  if cfg.rollout.speculative else None)
         return start, draft
 
@@ -356,44 +272,48 @@ def cmd_bench(args) -> int:
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
+def _command(sub, name: str, fn, help_: str, *, config: bool = True,
+             what: list[str] | None = None) -> argparse.ArgumentParser:
+    """A subcommand calling `fn`; ``what``: its first positional's choices (before the overrides)."""
+    c = sub.add_parser(name, help=help_)
+    if what:
+        c.add_argument("what", choices=what)
+    if config:
+        _config_args(c)
+    c.set_defaults(fn=fn)
+    return c
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cospec", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("config", help="print the resolved config")
-    _config_args(c)
+    c = _command(sub, "config", cmd_config, "print the resolved config")
     c.add_argument("--describe", action="store_true", help="also list every field with its doc")
-    c.set_defaults(fn=cmd_config)
-    s = sub.add_parser("sft", help="supervised fine-tuning of the policy on the task suite")
-    _config_args(s)
-    s.set_defaults(fn=cmd_sft)
-    ev = sub.add_parser("eval", help="accuracy and response lengths by prompt family and temperature")
+    _command(sub, "sft", cmd_sft, "supervised fine-tuning of the policy on the task suite")
+    ev = _command(sub, "eval", cmd_eval, "accuracy and response lengths by prompt family and temperature")
     ev.add_argument("--temperatures", help="comma-separated (default: sampling.temperature)")
     ev.add_argument("--prompts-per-type", type=int, default=32, help="held-out prompts per family")
     ev.add_argument("--json", help="also write the results as JSON to this path")
-    _config_args(ev)
-    ev.set_defaults(fn=cmd_eval)
-    x = sub.add_parser("export", help="the run's policy (HF layout) and draft (EAGLE-3 layout)")
+    x = _command(sub, "export", cmd_export, "the run's policy (HF layout) and draft (EAGLE-3 layout)")
     x.add_argument("--out", help="output directory (default out_dir/export)")
-    _config_args(x)
-    x.set_defaults(fn=cmd_export)
-    rp = sub.add_parser("report", help="HTML report (with PNGs) from runs' metrics.jsonl")
+    rp = _command(sub, "report", cmd_report, "HTML report (with PNGs) from runs' metrics.jsonl",
+                  config=False)
     rp.add_argument("run_dirs", nargs="+", help="directories holding metrics.jsonl (one per run)")
     rp.add_argument("--out", default="report", help="output directory (report.html + PNGs)")
     rp.add_argument("--bench", help="a `cospec bench rollout --json` file for speedup vs batch size")
-    rp.set_defaults(fn=cmd_report)
-    d = sub.add_parser("demo", help="the main job on the embedded default config")
-    _config_args(d)
-    d.set_defaults(fn=cmd_demo)
-    t = sub.add_parser("draft-train", help="train a draft on the SFT policy's samples")
-    _config_args(t)
-    t.set_defaults(fn=cmd_draft_train)
-    r = sub.add_parser("train", help="GRPO from the SFT policy (plain or speculative rollouts)")
-    _config_args(r)
+    _command(sub, "demo", cmd_demo, "the main job on the embedded default config")
+    _command(sub, "draft-train", cmd_draft_train, "train a draft on the SFT policy's samples")
+    r = _command(sub, "train", cmd_train, "GRPO from the SFT policy (plain or speculative rollouts)")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")
-    r.set_defaults(fn=cmd_train)
-    e = sub.add_parser("experiment", help="experiments whose figures go to docs/results")
-    e.add_argument("what", choices=["stale-draft"])
+    _experiment_args(_command(sub, "experiment", cmd_experiment,
+                              "experiments whose figures go to docs/results", what=["stale-draft"]))
+    _bench_args(_command(sub, "bench", cmd_bench, "benchmarks that print side-by-side ratios",
+                         what=["generation", "rollout", "cp", "pp", "train-step"]))
+    return p
+
+
+def _experiment_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--modes", default="none,frozen,cotrain-ce,cotrain-tv",
                    help="comma-separated: none, frozen, cotrain-ce, cotrain-tv, oracle")
     e.add_argument("--adaptive", action="store_true",
@@ -402,12 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--out", default=None,
                    help="where the JSON and plots go (default out_dir/stale-draft); the SFT policy "
                         "and the offline draft are still made or reused in out_dir")
-    _config_args(e)
-    e.set_defaults(fn=cmd_experiment)
-    b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("what", choices=["generation", "rollout", "cp", "pp", "train-step"])
+
+
+def _bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--batch-sizes", help="comma-separated (default 1,4,16,64)")
-    b.add_argument("--quick", action="store_true", help="generation/rollout: fewer prompts and repeats; cp: short lengths")
+    b.add_argument("--quick", action="store_true",
+                   help="generation/rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
                    help="rollout: the RL prompt mix, or its long tail (long copy answers)")
@@ -416,9 +336,6 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layouts", default="single,single@2,cp2,pp2",
                    help="train-step: comma-separated single, single@THREADS, cpN, ppN")
     b.add_argument("--json", help="also write the rows as JSON to this path")
-    _config_args(b)
-    b.set_defaults(fn=cmd_bench)
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,7 +16,7 @@ import random
 
 import torch
 
-from cospec.config import SamplingConfig
+from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.rollout.engine import GenerationEngine
 
@@ -64,3 +64,40 @@ def format_table(results: dict[float, dict]) -> str:
         lines.append(f"{temp:>5.2f} {'all':>10} {res['accuracy']:>9.1%}   "
                      f"({res['num_prompts']} prompts, {res['tokens_per_second']:.0f} tok/s)")
     return "\n".join(lines)
+
+
+def measure_speculation(cfg: RunConfig, policy, draft, data: TaskData, *, num_prompts: int = 64,
+                        seed: int = 4321):
+    """Speculative generation of held-out task prompts at the config's sampling and gamma:
+    (result, plain result) on the same prompts, for a quick look at tau and speedup."""
+    from cospec.models.loading import inference_copy
+    from cospec.rollout.engine import GenerationEngine
+    from cospec.rollout.speculative import SpeculativeEngine
+
+    rng = random.Random(seed)
+    prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]
+    device = next(policy.parameters()).device
+    B, s, stops = cfg.sampling.batch_size, cfg.sampling, data.tokenizer.stop_ids
+    if cfg.rollout.dtype:  # as rollouts run
+        policy, draft = inference_copy(policy, cfg.rollout.dtype), inference_copy(draft, cfg.rollout.dtype)
+    spec = SpeculativeEngine(policy, draft, batch_size=B, gamma=cfg.rollout.gamma, stop_ids=stops).generate(
+        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
+    plain = GenerationEngine(policy, batch_size=B, stop_ids=stops).generate(
+        prompts, s, generator=torch.Generator(device=device).manual_seed(seed))
+    return spec, plain
+
+
+def print_accuracy(metrics: dict) -> None:
+    """The SFT run's size, time and loss, and its greedy accuracy by family as a table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"SFT: {metrics['num_params'] / 1e6:.2f}M params, {metrics['steps']} steps, "
+                  f"{metrics['train_seconds']:.0f}s train, final loss {metrics['final_loss']:.3f}")
+    t = Table()
+    t.add_column("family")
+    t.add_column("greedy accuracy", justify="right")
+    for k, v in metrics["accuracy"].items():
+        t.add_row(k, f"{v:.1%}")
+    console.print(t)

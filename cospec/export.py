@@ -55,14 +55,15 @@ def export_policy(policy, tokenizer: Tokenizer, path: Path, *, max_position_embe
         (path / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
 
 
-def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu") -> dict[str, Path]:
+def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu",
+               reuse: bool = False) -> dict[str, Path]:
     """Write the run's policy (and draft, when it has an EAGLE-3 one) under `out`; their paths."""
+    from cospec.artifacts import load_policy
     from cospec.draft.offline import draft_dir
     from cospec.models.draft_checkpoint import load_draft
     from cospec.models.eagle3_export import export_eagle3
     from cospec.models.loading import load_tokenizer
     from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint
-    from cospec.starting_policy import load_policy
 
     out = Path(out)
     last = latest_checkpoint(Path(cfg.out_dir) / "rl" / "checkpoints")
@@ -71,7 +72,7 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
         policy, draft, source = ckpt["policy"], ckpt["draft"], str(last)
         tokenizer = load_tokenizer(cfg.model)
     else:
-        start = load_policy(cfg, device)  # its tokenizer too: loaded once
+        start = load_policy(cfg, device, reuse=reuse)  # its tokenizer too: loaded once
         policy, tokenizer, source = start.policy, start.tokenizer, cfg.model.path or f"{cfg.out_dir}/sft"
         saved = draft_dir(cfg, "eagle3")
         draft = load_draft(saved, device=device) if saved.exists() else None

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cospec.config import RunConfig, SamplingConfig
+from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.packing import PackedBatch, pack_examples
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import TaskSuite
@@ -42,11 +42,15 @@ def add_label_noise(ids: list[int], mask: list[int], noise: float, rng: random.R
 
 
 def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_per_batch: int,
-               label_noise: float = 0.0) -> PackedBatch:
-    """Draw examples until the next one would overflow the token budget (at least one example)."""
+               label_noise: float = 0.0, max_seq_len: int | None = None) -> PackedBatch:
+    """Draw examples until the next one would overflow the token budget (at least one example).
+    An example longer than ``max_seq_len`` (the model's) is a ConfigError naming the field."""
     encoded, used = [], 0
     while True:
         ids, m = suite.encode_sft(suite.sample(rng), tok)
+        if max_seq_len is not None and len(ids) - 1 > max_seq_len:  # the model sees ids[:-1]
+            raise ConfigError(f"model.max_seq_len={max_seq_len}: an SFT example of task.families "
+                              f"has {len(ids) - 1} tokens; the embedded tasks need up to 87")
         ids = add_label_noise(ids, m, label_noise, rng, tok)
         if encoded and used + len(ids) - 1 > tokens_per_batch:
             break
@@ -98,7 +102,8 @@ def train_sft(cfg: RunConfig, *, device: torch.device, progress: bool = True,
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr=s.lr, warmup=s.warmup_steps, total=s.steps,
                                 min_ratio=s.min_lr_ratio)
-            batch = next_batch(suite, tok, rng, s.tokens_per_batch, s.label_noise)
+            batch = next_batch(suite, tok, rng, s.tokens_per_batch, s.label_noise,
+                               cfg.model.max_seq_len)
             batch = PackedBatch(*(t.to(device) for t in (batch.tokens, batch.targets,
                                                           batch.loss_mask, batch.cu_seqlens)))
             loss = sft_loss(model, batch)

@@ -81,3 +81,18 @@ def test_apply_round_trips_through_dict():
 def test_cross_field_checks_see_all_overrides_together():
     cfg = resolve(overrides=["sft.steps=10", "sft.warmup_steps=2"])
     assert (cfg.sft.steps, cfg.sft.warmup_steps) == (10, 2)
+
+
+def test_a_setting_its_switch_turns_off_is_reported_not_silently_ignored():
+    from cospec.config import no_effect_warnings
+
+    cfg = resolve("tiny", overrides=["rollout.probe_every=3", "draft.cotrain_lr=0.1",
+                                     "parallel.microbatches=2"])
+    assert no_effect_warnings(cfg) == [
+        "rollout.probe_every=3 has no effect without rollout.speculative=true rollout.adaptive=true",
+        "draft.cotrain_lr=0.1 has no effect without draft.mode=cotrain",
+        "parallel.microbatches=2 has no effect without parallel.pp > 1"]
+    # switched on, or left at the default, they say nothing
+    assert no_effect_warnings(resolve("smollm2-math")) == []
+    assert no_effect_warnings(resolve("tiny", overrides=[
+        "rollout.speculative=true", "rollout.adaptive=true", "rollout.probe_every=3"])) == []

@@ -25,7 +25,7 @@ LAYERS = (
     ("draft",),
     ("parallel",),
     ("rl", "sft", "evaluate"),
-    ("starting_policy", "export"),
+    ("artifacts", "export"),
     ("bench", "experiments"),
     ("cli", "__main__"),
 )
@@ -35,8 +35,8 @@ MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 60
 # Today's offenders, allowed for now. These sets must only shrink: split the module or function,
 # then remove it here (the tests fail while a listed one is no longer over the limit).
-LONG_MODULES = {"cospec/config.py", "cospec/rl/trainer.py", "cospec/cli.py"}
-LONG_FUNCTIONS = {"cospec/cli.py:build_parser"}
+LONG_MODULES: set[str] = set()
+LONG_FUNCTIONS: set[str] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -8,6 +8,7 @@ level BPE of 1024 ids trained in-process and SmolLM2's special tokens (<|endofte
 
 import importlib.util
 import json
+import re
 import sys
 import textwrap
 
@@ -181,13 +182,16 @@ def test_rollout_prompts_are_rendered_by_the_chat_template(checkpoint, tmp_path)
     assert all(len(c.tokens) <= 8 for c in batch.completions)
 
 
-def test_a_prompt_longer_than_the_cache_is_refused_with_its_length(checkpoint, tmp_path):
+def test_a_prompt_longer_than_the_cache_is_refused_up_front_naming_the_field(checkpoint, tmp_path,
+                                                                            capsys):
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps({"prompt": "many words " * 100, "answer": "1"}) + "\n")
-    with pytest.raises(ValueError, match=r"prompt 0 has \d+ tokens but the KV cache holds 64"):
-        main(["train", f"model.path={checkpoint}", f"task.source={prompts}", "model.max_seq_len=64",
-              "grpo.steps=1", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.eval_every=0",
-              f"out_dir={tmp_path / 'run'}"])
+    assert main(["train", f"model.path={checkpoint}", f"task.source={prompts}", "model.max_seq_len=64",
+                 "grpo.steps=1", "grpo.prompts_per_step=1", "grpo.group_size=2", "grpo.eval_every=0",
+                 f"out_dir={tmp_path / 'run'}"]) == 2
+    assert re.search(r"model\.max_seq_len=64: prompts of this task run to \d+ tokens",
+                     capsys.readouterr().err)
+    assert not (tmp_path / "run" / "rl" / "metrics.jsonl").exists()
 
 
 def test_one_speculative_grpo_step_with_a_reduced_co_trained_draft_end_to_end(tmp_path):

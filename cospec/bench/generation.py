@@ -128,7 +128,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | N
 
     from cospec.models.llama import Transformer
     from cospec.models.loading import DTYPES, load_pretrained, load_tokenizer
-    from cospec.starting_policy import pick_device
+    from cospec.artifacts import pick_device
 
     device = pick_device(cfg.device)
     t0 = time.perf_counter()

@@ -229,10 +229,9 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
 def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str) -> _BenchInputs:
     """The starting policy and its EAGLE-3 draft (trained or reused), at the rollout dtype; prints
     what is measured."""
+    from cospec.artifacts import load_or_train_draft, load_policy, pick_device
     from cospec.config import apply
-    from cospec.draft.offline import load_or_train_draft
     from cospec.models.loading import inference_copy
-    from cospec.starting_policy import load_policy, pick_device
 
     device = pick_device(cfg.device)
     start = load_policy(cfg, device)
@@ -277,8 +276,9 @@ def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict]) -> dict:
     """Batch 1 on the embedded model: HF's assisted generation with a standalone draft LM (trained
     or reused) beside HF's plain sampling and cospec's engines with the same draft LM; ``rows``
     gives cospec's EAGLE-3 figure at batch 1 to compare."""
+    from cospec.artifacts import load_or_train_draft
     from cospec.config import apply
-    from cospec.draft.offline import draft_dir, load_or_train_draft
+    from cospec.draft.offline import draft_dir
     from cospec.models.loading import inference_copy
 
     lm_cfg = apply(run.cfg, {"draft": {"kind": "lm"}})

@@ -150,6 +150,16 @@ class TaskData:
             return self.tokenizer.encode_chat(self.messages(example), add_generation_prompt=True)
         return self.tokenizer.encode(example.prompt, bos=True)
 
+    def check_room(self, max_seq_len: int, *, samples: int = 256, seed: int = 0) -> None:
+        """ConfigError naming model.max_seq_len when a prompt (of `samples` drawn with a fixed
+        seed) leaves no room for a response token: said before any rollout, not mid-run."""
+        rng = random.Random(seed)
+        longest = max(len(self.prompt_ids(self.source.sample(rng))) for _ in range(samples))
+        if longest + 1 > max_seq_len:
+            raise ConfigError(f"model.max_seq_len={max_seq_len}: prompts of this task run to "
+                              f"{longest} tokens (longest of {samples} drawn), leaving no room "
+                              f"for a response; raise it above {longest}")
+
     def reward(self, example: Example, response_ids: list[int]) -> float:
         """The verifier's score of a response, decoded up to its first stop id."""
         return self.source.reward(example, self.tokenizer.decode(response_ids))

@@ -196,27 +196,7 @@ def draft_dir(cfg: RunConfig, kind: str | None = None):
     return Path(cfg.out_dir) / ("draft" if (kind or cfg.draft.kind) == "eagle3" else "draft_lm")
 
 
-def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = False,
-                        data: TaskData | None = None, progress: bool = True):
-    """Reuse the saved draft of ``draft.kind`` when it fits the policy, else train and save one.
-    Returns (draft, metrics or None when reused)."""
-    from cospec.models.draft_checkpoint import load_draft, save_draft
-
-    path = draft_dir(cfg)
-    device = next(policy.parameters()).device
-    if not force and path.exists():
-        draft = load_draft(path, device=device)
-        if _fits(draft, cfg, policy):
-            print(f"reusing draft {path}")
-            return draft.eval(), None
-        print(f"draft {path} was made for another policy or draft config: retraining")
-    draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress)
-    save_draft(draft, path)
-    print(f"saved draft to {path}")
-    return draft, metrics
-
-
-def _fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
+def draft_fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
     """Whether a loaded draft is the one `build_draft` would make for this config and policy."""
     d = cfg.draft
     if d.kind == "eagle3":

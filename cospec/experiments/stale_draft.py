@@ -58,7 +58,7 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
     then hits all modes alike, which makes their step times comparable (paired)."""
     from cospec.metrics.progress import progress_bar
     from cospec.metrics.run_log import RunLog
-    from cospec.rl.trainer import console_line
+    from cospec.rl.step_metrics import console_line
 
     runs: dict[str, list[dict]] = {m: [] for m in trainers}
     logs = {m: RunLog(out / m / "metrics.jsonl") for m in trainers}
@@ -125,9 +125,9 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     """Run the modes (making or reusing the starting policy and the offline draft unless given;
     a given policy comes with its tokenizer, or the run's is loaded)."""
     from cospec.data.prompts import TaskData
-    from cospec.draft.offline import load_or_train_draft
+    from cospec.artifacts import load_or_train_draft
     from cospec.models.loading import load_tokenizer
-    from cospec.starting_policy import load_policy, pick_device
+    from cospec.artifacts import load_policy, pick_device
 
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
     out.mkdir(parents=True, exist_ok=True)

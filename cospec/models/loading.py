@@ -63,7 +63,9 @@ def with_checkpoint_model(cfg: RunConfig) -> RunConfig:
     arch = checkpoint_model_config(resolve_model_path(m.path))
     model = dataclasses.replace(arch, path=m.path, dtype=m.dtype,
                                 max_seq_len=min(m.max_seq_len, arch.max_seq_len))
-    return dataclasses.replace(cfg, model=model)
+    cfg = dataclasses.replace(cfg, model=model)
+    cfg.check_against_model()
+    return cfg
 
 
 def load_tokenizer(model_cfg: ModelConfig) -> Tokenizer:

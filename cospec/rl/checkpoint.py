@@ -139,3 +139,19 @@ def check_resumable(cfg: RunConfig, stored: dict) -> None:
 
 def _listify(v):
     return tuple(v) if isinstance(v, list) else v
+
+
+@torch.no_grad()
+def copy_weights(source: torch.nn.Module, targets) -> None:
+    """Copy `source`'s tensors into each target (None skipped) by name: a pipeline stage takes the
+    names it has, which are the whole model's."""
+    full = source.state_dict()
+    for model in targets:
+        if model is not None:
+            for name, t in model.state_dict().items():
+                t.copy_(full[name])
+
+
+def as_tuples(x):
+    """random.Random state comes back from torch.load with lists where tuples were."""
+    return tuple(as_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x

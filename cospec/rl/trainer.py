@@ -1,6 +1,6 @@
 """The GRPO loop: a sequence of named steps, each a small method.
 
-    generate -> score -> compute_advantages -> train_policy -> [train_draft: co-training issue]
+    generate -> score -> compute_advantages -> train_policy -> train_draft (co-training, cotrain.py)
              -> sync_weights -> log -> checkpoint
 
 Rollouts come from the engine (`GenerationEngine`, or `SpeculativeEngine` with the draft when
@@ -21,7 +21,6 @@ not bit for bit).
 
 from __future__ import annotations
 
-import copy
 import random
 import time
 from dataclasses import dataclass
@@ -33,16 +32,18 @@ from cospec.data.prompts import TaskData
 from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
 from cospec.draft.offline import trainable_parameters, train_draft_offline
-from cospec.draft.ttt import TTTBatch, sample_sequences, ttt_loss
+from cospec.draft.ttt import TTTBatch
 from cospec.metrics.progress import progress_bar
 from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
 from cospec.rl import grpo
-from cospec.rl.checkpoint import (check_resumable, latest_checkpoint, load_latest_good,
-                                 save_checkpoint)
-from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, metrics_from_sums
-from cospec.rl.weight_sync import InProcessWeightSync
+from cospec.rl.checkpoint import (as_tuples, check_resumable, copy_weights, latest_checkpoint,
+                                 load_latest_good, save_checkpoint)
+from cospec.rl.cotrain import cotrain_draft
+from cospec.rl.layouts import build_policy_layout
+from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
+from cospec.rl.step_metrics import console_line, step_metrics
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -90,6 +91,7 @@ class GRPOTrainer:
         tokenizer = tokenizer or load_tokenizer(cfg.model)
         check_vocab(policy.config.vocab_size, tokenizer)
         self.data = TaskData.from_config(cfg.task, tokenizer)
+        self.data.check_room(policy.config.max_seq_len)
         self.cfg, self.g, self.group = cfg, cfg.grpo, group
         self.out_dir = out_dir or f"{cfg.out_dir}/rl"
         self.device = next(policy.parameters()).device
@@ -107,68 +109,19 @@ class GRPOTrainer:
             self.draft_optimizer = torch.optim.AdamW(trainable_parameters(draft, cfg),
                                                      lr=cfg.draft.cotrain_lr,
                                                      betas=(0.9, 0.95), weight_decay=0.0)
-        self.draft_loss, self.reduce_draft_grads = ttt_loss, None
         self._draft_data: list[TTTBatch] = []
-        self._build_policy_step(policy)
+        layout = build_policy_layout(cfg, policy, group=group, draft=draft,
+                                     rollout_policy=self.rollout_policy,
+                                     rollout_draft=self.rollout_draft)
+        self.policy, self.reference, self.optimizer = layout.policy, layout.reference, layout.optimizer
+        self.policy_step, self.weight_sync, self.draft_sync = (layout.policy_step, layout.weight_sync,
+                                                               layout.draft_sync)
+        self.draft_loss, self.reduce_draft_grads = layout.draft_loss, layout.reduce_draft_grads
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
         self.engine = self._make_engine() if self.is_rollout_rank else None
         self.step = 0
         self.tensorboard = tensorboard
         self._step_start_rng, self._updated_this_step = None, False  # see `_stopped`
-
-    def _build_policy_step(self, policy) -> None:
-        """self.policy (this rank's trained module), self.reference, self.optimizer, the policy
-        step for the layout, and the weight syncs to the engine."""
-        cfg, g, group = self.cfg, self.g, self.group
-        kwargs = dict(temperature=cfg.sampling.temperature, clip_low=g.clip_low,
-                      clip_high=g.clip_high, kl_coef=g.kl_coef, grad_clip=g.grad_clip)
-        pp = group.pp if group is not None else 1
-        if pp > 1:
-            from cospec.parallel.pipeline import build_stage, split_layers
-            from cospec.rl.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
-
-            layers = split_layers(cfg.model.num_layers, pp)
-            stage = dict(layers=layers[group.stage], stage=group.stage, num_stages=pp)
-            self.policy = build_stage(policy, **stage).train()
-            self.reference = build_stage(policy, **stage).eval().requires_grad_(False)
-        else:
-            self.policy = policy.train()
-            self.reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
-                              if g.log_kl or g.kl_coef else None)
-        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, betas=(0.9, 0.99),
-                                           weight_decay=g.weight_decay)
-        if group is None:
-            self.policy_step = LocalPolicyStep(self.policy, self.reference, self.optimizer,
-                                               autocast=g.autocast, **kwargs)
-        elif pp > 1:
-            taps = self.draft.tap_layers if self.draft is not None and cfg.draft.mode == "cotrain" else ()
-            self.policy_step = PipelinedPolicyStep(
-                self.policy, self.reference, self.optimizer, stage=group.stage, stage_layers=layers,
-                pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
-                num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
-                tap_layers=taps, **kwargs)
-            # The stages of cp column 0 (rank 0's) make up the policy; the other columns hold
-            # equal replicas and send nothing.
-            self.weight_sync = (StageWeightSync(group.pipe_group, self.rollout_policy)
-                                if group.cp_rank == 0 else None)
-            self.draft_sync = (DraftWeightSync(self.rollout_draft, src=group.draft_rank)
-                               if self.draft is not None else None)
-            if group.cp > 1:  # the last stage's cp ranks co-train the draft on zigzag shards
-                from cospec.rl.cp_step import ContextParallelDraftLoss
-
-                cp_loss = ContextParallelDraftLoss(group=group.cp_group)
-                self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
-            return
-        else:
-            from cospec.rl.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
-
-            self.policy_step = ContextParallelPolicyStep(self.policy, self.reference, self.optimizer,
-                                                         group=None, autocast=g.autocast, **kwargs)
-            cp_loss = ContextParallelDraftLoss(group=None)
-            self.draft_loss, self.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
-        self.weight_sync = InProcessWeightSync(self.rollout_policy) if self.is_rollout_rank else None
-        self.draft_sync = (InProcessWeightSync(self.rollout_draft)
-                           if self.rollout_draft is not None else None)
 
     def _make_engine(self):
         r, batch = self.cfg.rollout, self.cfg.sampling.batch_size
@@ -253,40 +206,12 @@ class GRPOTrainer:
             return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
         if not self._draft_data:
             return {}
-        self.draft.train()
-        metrics: dict = {}
-        # Spread the token budget over the step's minibatches; which sequences: seeded by the step
-        # (the same on every rank, and again after a resume).
-        per_batch = max(1, d.cotrain_max_tokens // len(self._draft_data)) if d.cotrain_max_tokens else 0
-        rng = random.Random(self.g.seed * 1_000_003 + self.step)
-        data = [sample_sequences(b, per_batch, rng) for b in self._draft_data]
-        skipped = 0
-        for _ in range(d.cotrain_iters):
-            for batch in data:
-                # fp32 even under grpo.autocast: TTT training in bf16 autocast does not learn
-                # (acceptance 0.17 vs 0.56 after 80 steps; docs/results/real_model.md)
-                loss, metrics = self.draft_loss(self.draft, batch, num_steps=d.ttt_steps,
-                                                decay=d.ttt_decay,
-                                                temperature=self.cfg.sampling.temperature,
-                                                tv_weight=d.tv_weight)
-                self.draft_optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                if self.reduce_draft_grads is not None:  # cp: the ranks' shares -> the whole gradient
-                    self.reduce_draft_grads(self.draft)
-                norm = torch.nn.utils.clip_grad_norm_(self.draft.parameters(), 1.0)
-                if torch.isfinite(norm):  # a sync per draft update; the loss's metrics take one too
-                    self.draft_optimizer.step()
-                else:  # skipped and reported; the draft keeps its weights
-                    self.draft_optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-        self.draft.eval()
+        metrics = cotrain_draft(self.draft, self.draft_optimizer, self._draft_data, d,
+                                temperature=self.cfg.sampling.temperature,
+                                seed=self.g.seed * 1_000_003 + self.step, loss_fn=self.draft_loss,
+                                reduce_grads=self.reduce_draft_grads)
         self._draft_data = []
-        # The loss from the per-step metrics, which are whole-batch ones also under cp (where
-        # each rank's ``loss`` is only its share).
-        whole = sum(d.ttt_decay ** j * ((1 - d.tv_weight) * ce + d.tv_weight * tv)
-                    for j, (ce, tv) in enumerate(zip(metrics["ce"], metrics["tv"])))
-        return {"draft_loss": whole, "draft_acceptance_tf": metrics["acceptance"],
-                "draft_nonfinite_skipped": skipped}
+        return metrics
 
     def evaluate(self) -> dict:
         """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
@@ -323,27 +248,6 @@ class GRPOTrainer:
                                          f"synced to the rollout engine")
             self.draft_sync.push(self.draft)
 
-    def step_metrics(self, batch: RolloutBatch, train: dict, seconds: dict) -> dict:
-        rewards = batch.rewards.tolist()
-        by_family: dict[str, list[float]] = {}
-        for ex, r in zip(batch.examples, rewards):
-            by_family.setdefault(ex.family, []).append(r)
-        lengths = sorted(len(c.tokens) for c in batch.completions)
-        total = sum(seconds.values())
-        m = {"reward": sum(rewards) / len(rewards),
-             "reward_by_family": {k: sum(v) / len(v) for k, v in sorted(by_family.items())},
-             "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
-             "response_length": {"mean": sum(lengths) / len(lengths),
-                                 "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1]},
-             **train,
-             "time": {k: v for k, v in seconds.items()},
-             "time_share": {k: v / total for k, v in seconds.items()},
-             "step_seconds": total,
-             "rollout_tok_s": batch.num_tokens / max(batch.generate_seconds, 1e-9)}
-        if batch.stats is not None:
-            m.update(speculation_metrics(batch, seconds))
-        return m
-
     # ------------------------------------------------------------------------- run, save, resume
 
     def run_step(self) -> dict | None:
@@ -375,7 +279,7 @@ class GRPOTrainer:
         self.step += 1
         if not self.is_rollout_rank:
             return None
-        return self.step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
+        return step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
                                                 "train_draft": t4 - t3,
                                                 "other": (t2 - t1) + (t5 - t4)})
 
@@ -415,23 +319,16 @@ class GRPOTrainer:
     def restore(self, ckpt: dict) -> None:
         """Every rank restores its part: the policy (or its stage: the names are the policy's),
         the draft, its own optimizer states; the rollout rank also the engine's copies."""
-        full = ckpt["policy"].state_dict()
-        targets = [self.policy] + ([self.rollout_policy] if self.rollout_policy is not None else [])
-        for model in targets:
-            for name, t in model.state_dict().items():
-                t.copy_(full[name])
+        copy_weights(ckpt["policy"], [self.policy, self.rollout_policy])
         if ckpt["draft"] is not None:
-            for model in (self.draft, self.rollout_draft):
-                if model is not None:
-                    for name, t in model.state_dict().items():
-                        t.copy_(ckpt["draft"].state_dict()[name])
+            copy_weights(ckpt["draft"], [self.draft, self.rollout_draft])
         st = ckpt["trainer_state"]
         mine = st["rank_states"][self.group.rank] if "rank_states" in st else st
         self.optimizer.load_state_dict(mine["optimizer"])
         if self.draft_optimizer is not None:
             self.draft_optimizer.load_state_dict(mine["draft_optimizer"])
         torch.set_rng_state(st["torch_rng"])
-        self.prompt_rng.setstate(_as_tuple(st["prompt_rng"]))
+        self.prompt_rng.setstate(as_tuples(st["prompt_rng"]))
         self.step = st["step"]
 
     def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
@@ -500,43 +397,3 @@ class GRPOTrainer:
         finally:
             log.close()
         return history
-
-
-def speculation_metrics(batch: RolloutBatch, seconds: dict) -> dict:
-    """tau and acceptance overall, per position and per task family; overshoot by position; and
-    the cost account: draft-training time against the rollout time speculation saved."""
-    st = batch.stats
-    fam: dict[str, list[float]] = {}
-    for ex, judged, acc, tau in zip(batch.examples, st.per_row_judged, st.per_row_accepted,
-                                    st.per_row_accept_length):
-        f = fam.setdefault(ex.family, [0, 0, 0.0, 0])
-        f[0] += judged
-        f[1] += acc
-        f[2] += tau
-        f[3] += 1
-    m = {"accept_length": st.accept_length, "acceptance_by_position": st.acceptance_by_position,
-         "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
-         "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},
-         "overshoot_by_position": st.overshoot_by_position,
-         "gamma_counts": {str(k): v for k, v in sorted(st.gamma_counts.items())}}
-    if st.plain_decode_estimate_seconds is not None:
-        saved = st.plain_decode_estimate_seconds - st.draft_seconds - st.verify_seconds
-        net = saved - seconds.get("train_draft", 0.0)
-        step = sum(seconds.values())
-        m["cost"] = {"rollout_saved_seconds_est": saved, "draft_train_seconds": seconds.get("train_draft", 0.0),
-                     "net_saved_seconds_est": net, "e2e_speedup_est": (step + net) / step,
-                     "draft_train_share": seconds.get("train_draft", 0.0) / step}
-    return m
-
-
-def console_line(m: dict) -> str:
-    line = (f"reward {m['reward']:.3f} kl {m['kl_from_init']:.4f} len {m['response_length']['mean']:.1f} "
-            f"gen {m['time_share']['generate']:.0%} {m['rollout_tok_s']:.0f} tok/s")
-    if "accept_length" in m:
-        line += f" tau {m['accept_length']:.2f}"
-    return line
-
-
-def _as_tuple(x):
-    """random.Random state comes back from torch.load with lists where tuples were."""
-    return tuple(_as_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x

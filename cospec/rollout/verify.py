@@ -123,7 +123,8 @@ def verify_drafts(p_probs_NG1V, q_probs_NGV, draft_NG: Tensor,
     probabilities of the drafted tokens and one whole row per sequence are read.
 
     Non-finite p or q (a NaN logit makes its whole softmax row NaN) would make every draft a
-    rejection and the residual draw token 0: no error, rollouts silently not the policy's. The
+    rejection and the residual draw meaningless: no error, rollouts silently not the policy's
+    (docs/design.md, "Non-finite probabilities in verification"). The
     verdict's ``nonfinite`` says so from values the step computes anyway (the drafted tokens'
     probabilities, the drawn row's mass); with ``check`` a NaN raises `NonFiniteError` here (a
     device sync); an engine passes check=False and reads the flag with the accepted counts.

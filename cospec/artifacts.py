@@ -1,0 +1,185 @@
+"""What a saved artifact was made from, so a run reuses it only when the same config would make it.
+
+Every command reuses what an earlier one left in out_dir (the SFT policy, the drafts). Matching
+by shape alone reused stale ones: an SFT policy trained for 400 steps kept being used after
+``sft.steps=2000``, a draft trained on the previous policy's samples after the policy changed.
+So each artifact directory holds ``made_by.json``: the config fields that produced it (`SFT_FIELDS`,
+`draft_fields`) and their fingerprint (a SHA-256 of their canonical JSON). A later run computes
+the same for its own config: equal, the artifact is reused; different, it is rebuilt, with a
+message naming the fields that differ; ``--reuse`` (``reuse=True``) keeps it anyway, with a warning.
+
+What is left out is what cannot change the artifact: the SFT policy does not depend on the
+prompt source or the RL fields, a draft does not depend on how it is co-trained later.
+
+The workflow that reuses them lives here too, below the CLI: `pick_device`, `load_policy` (the
+pretrained checkpoint at model.path, or the embedded model's SFT policy, `load_or_train_sft`) and
+`load_or_train_draft`; every command that needs a policy or a draft goes through them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from cospec.config import ConfigError, RunConfig
+from cospec.data.tokenizer import CharTokenizer, Tokenizer
+from cospec.models.llama import Transformer
+
+MADE_BY = "made_by.json"
+
+#: draft fields that only co-training and the oracle read (not the offline training)
+_ONLINE_DRAFT_FIELDS = ("mode", "cotrain_every", "cotrain_iters", "cotrain_lr",
+                        "cotrain_max_tokens", "oracle_every")
+
+
+def sft_fields(cfg: RunConfig) -> dict:
+    """What the embedded SFT policy is made from: the model, the synthetic suite, the SFT run."""
+    c = dataclasses.asdict(cfg)
+    sft = {k: v for k, v in c["sft"].items() if k != "eval_prompts_per_family"}
+    task = {k: c["task"][k] for k in ("families", "weights", "seed")}
+    return {"model": c["model"], "task": task, "sft": sft}
+
+
+def draft_fields(cfg: RunConfig) -> dict:
+    """What an offline-trained draft is made from: its policy (by the policy's own fields), the
+    prompts and sampling of its training data, and its own offline fields."""
+    c = dataclasses.asdict(cfg)
+    policy = {"model": c["model"]} if cfg.model.path else sft_fields(cfg)
+    draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS}
+    sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
+    return {"policy": policy, "task": c["task"], "sampling": sampling,
+            "rollout_dtype": c["rollout"]["dtype"], "draft": draft}
+
+
+def fingerprint(fields: dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=list).encode()).hexdigest()
+
+
+def write_made_by(path: Path, fields: dict) -> None:
+    """Stamp the artifact directory `path` with the fields that made it (after it is complete)."""
+    tmp = Path(path) / f".{MADE_BY}.tmp"
+    tmp.write_text(json.dumps({"fingerprint": fingerprint(fields), "fields": fields},
+                              indent=1, default=list) + "\n")
+    tmp.replace(Path(path) / MADE_BY)
+
+
+def differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """Dotted names of the fields whose values differ between two field dicts."""
+    out = []
+    for key in sorted(set(saved) | set(now)):
+        a, b, name = saved.get(key), now.get(key), f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            out += differences(a, b, f"{name}.")
+        elif json.dumps(a, default=list) != json.dumps(b, default=list):
+            out.append(f"{name} ({a!r} -> {b!r})")
+    return out
+
+
+def reuse_decision(path: Path, fields: dict, *, reuse: bool = False, what: str) -> bool:
+    """Whether the artifact at `path` is to be reused for a run whose config gives `fields`:
+    True on a matching fingerprint, or when `reuse` overrides a mismatch; False (rebuild) otherwise.
+    Says which, and why, on stdout."""
+    path = Path(path)
+    stamp = path / MADE_BY
+    saved = None
+    if stamp.is_file():
+        try:
+            saved = json.loads(stamp.read_text())
+        except (OSError, json.JSONDecodeError):
+            saved = None
+    if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint(fields):
+        print(f"reusing {what} {path}")
+        return True
+    if not isinstance(saved, dict) or not isinstance(saved.get("fields"), dict):
+        why = f"has no readable {MADE_BY} (made by an older cospec, or damaged)"
+    else:
+        diff = differences(saved["fields"], json.loads(json.dumps(fields, default=list)))
+        why = "was made with other settings: " + "; ".join(diff[:6]) + (" ..." if len(diff) > 6 else "")
+    if reuse:
+        print(f"warning: reusing {what} {path} as asked (--reuse), although it {why}")
+        return True
+    print(f"{what} {path} {why}: rebuilding it (--reuse keeps it)")
+    return False
+
+
+# ----------------------------------------------------------------------------- the workflow
+
+def pick_device(name: str) -> torch.device:
+    """The ``device`` field as a torch device: auto is CUDA where available, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: {name!r} requested but CUDA is not available")
+    return torch.device(name)
+
+
+def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = False,
+                      reuse: bool = False):
+    """Reuse out_dir/sft when it was made from the same fields (`sft_fields`; or `reuse`), else
+    train and save it. Returns (model, metrics)."""
+    from cospec.models.hf_checkpoint import load_hf
+    from cospec.sft import save_sft, train_sft
+
+    out = Path(cfg.out_dir)
+    ckpt, metrics_path = out / "sft", out / "sft_metrics.json"
+    if (not force and ckpt.exists() and metrics_path.exists()
+            and reuse_decision(ckpt, sft_fields(cfg), reuse=reuse, what="SFT checkpoint")):
+        model = load_hf(ckpt, device=device)
+        if model.config == cfg.model:
+            return model.eval(), json.loads(metrics_path.read_text())
+        print(f"SFT checkpoint {ckpt} has another model config than model.*: retraining")
+    model, metrics = train_sft(cfg, device=device)
+    save_sft(model, metrics, cfg, out)
+    write_made_by(ckpt, sft_fields(cfg))
+    print(f"saved SFT checkpoint to {ckpt}")
+    return model, metrics
+
+
+@dataclass
+class StartingPolicy:
+    """policy: the model RL starts from (eval mode); tokenizer: its own; sft_metrics: the SFT
+    run's metrics for the embedded model (None for a pretrained checkpoint)."""
+
+    policy: Transformer
+    tokenizer: Tokenizer
+    sft_metrics: dict | None
+
+
+def load_policy(cfg: RunConfig, device: torch.device, *, reuse: bool = False) -> StartingPolicy:
+    """The pretrained checkpoint at model.path (with its tokenizer), or the SFT policy of the
+    embedded model (trained when out_dir holds none made from the same fields, or `reuse`)."""
+    if cfg.model.path:
+        from cospec.models.loading import load_pretrained, load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.model)
+        return StartingPolicy(load_pretrained(cfg.model, tokenizer, device=device), tokenizer, None)
+    policy, metrics = load_or_train_sft(cfg, device, reuse=reuse)
+    return StartingPolicy(policy, CharTokenizer(), metrics)
+
+
+def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = False,
+                        data=None, progress: bool = True, reuse: bool = False):
+    """Reuse the saved draft of ``draft.kind`` when it was made from the same fields
+    (`draft_fields`: the policy's among them; or `reuse`) and fits the policy, else train and save
+    one. Returns (draft, metrics or None when reused)."""
+    from cospec.draft.offline import draft_dir, draft_fits, train_draft_offline
+    from cospec.models.draft_checkpoint import load_draft, save_draft
+
+    path = draft_dir(cfg)
+    device = next(policy.parameters()).device
+    if (not force and path.exists()
+            and reuse_decision(path, draft_fields(cfg), reuse=reuse, what="draft")):
+        draft = load_draft(path, device=device)
+        if draft_fits(draft, cfg, policy):
+            return draft.eval(), None
+        print(f"draft {path} does not fit this policy and draft config: retraining")
+    draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress)
+    save_draft(draft, path)
+    write_made_by(path, draft_fields(cfg))
+    print(f"saved draft to {path}")
+    return draft, metrics

@@ -1,0 +1,55 @@
+"""Co-training: one step of the draft on the features and logits the GRPO forward captured.
+
+The policy step returns its tapped features and logits detached (`TTTBatch`es), so the draft
+trains on the policy as it is at this step without a forward of its own (EAGLE-3's training-time
+test unroll, `cospec.draft.ttt`; docs/design.md, "EAGLE-3 training-time test"). A draft update
+whose gradient is not finite is skipped and counted, never applied: the trainer then refuses to
+sync a draft with a NaN weight to the rollout engine, where it would stop the next rollout.
+"""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from cospec.config import DraftConfig
+from cospec.draft.ttt import TTTBatch, sample_sequences
+
+
+def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *, temperature: float,
+                  seed: int, loss_fn, reduce_grads=None) -> dict:
+    """``d.cotrain_iters`` passes over the captured batches (at most ``d.cotrain_max_tokens``
+    tokens of whole sequences, chosen by ``seed``: the same on every rank and again after a
+    resume). ``loss_fn``: `ttt_loss` or its context-parallel form, whose ``reduce_grads`` turns
+    the ranks' shares into the whole gradient. Returns the last update's loss and teacher-forced
+    acceptance per TTT step, and how many updates were skipped as non-finite."""
+    draft.train()
+    metrics: dict = {}
+    per_batch = max(1, d.cotrain_max_tokens // len(captured)) if d.cotrain_max_tokens else 0
+    rng = random.Random(seed)
+    data = [sample_sequences(b, per_batch, rng) for b in captured]
+    skipped = 0
+    for _ in range(d.cotrain_iters):
+        for batch in data:
+            # fp32 even under grpo.autocast: TTT training in bf16 autocast does not learn
+            # (acceptance 0.17 vs 0.56 after 80 steps; docs/results/real_model.md)
+            loss, metrics = loss_fn(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                    temperature=temperature, tv_weight=d.tv_weight)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if reduce_grads is not None:
+                reduce_grads(draft)
+            norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            if torch.isfinite(norm):  # a sync per update; the loss's metrics take one too
+                optimizer.step()
+            else:  # skipped and reported; the draft keeps its weights
+                optimizer.zero_grad(set_to_none=True)
+                skipped += 1
+    draft.eval()
+    # The loss from the per-step metrics, which are whole-batch ones also under cp (where each
+    # rank's ``loss`` is only its share).
+    whole = sum(d.ttt_decay ** j * ((1 - d.tv_weight) * ce + d.tv_weight * tv)
+                for j, (ce, tv) in enumerate(zip(metrics["ce"], metrics["tv"])))
+    return {"draft_loss": whole, "draft_acceptance_tf": metrics["acceptance"],
+            "draft_nonfinite_skipped": skipped}

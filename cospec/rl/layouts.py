@@ -1,0 +1,106 @@
+"""The policy step of the run's layout (one process, context parallel, pipelined), with what it
+needs around it: the trained module (the whole policy, or this rank's stage), the KL reference, the
+optimizer, the weight syncs to the rollout engine's copies, and the draft's loss under that layout.
+
+The trainer (`cospec.rl.trainer`) builds one `PolicyLayout` and does not otherwise know which
+layout it runs; `cospec.parallel.train_group` says which rank does what.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from cospec.config import RunConfig
+from cospec.draft.ttt import ttt_loss
+from cospec.rl.policy_step import LocalPolicyStep
+from cospec.rl.weight_sync import InProcessWeightSync
+
+
+@dataclass
+class PolicyLayout:
+    """policy: this rank's trained module; reference: the frozen KL anchor (None when no KL is
+    computed); policy_step: called once per minibatch (`cospec.rl.policy_step`); weight_sync /
+    draft_sync: push trained weights to the engine's copies (None where this rank sends nothing);
+    draft_loss, reduce_draft_grads: the co-training loss and, under cp, the gradient reduction."""
+
+    policy: torch.nn.Module
+    reference: torch.nn.Module | None
+    optimizer: torch.optim.Optimizer
+    policy_step: Callable
+    weight_sync: object | None
+    draft_sync: object | None
+    draft_loss: Callable = ttt_loss
+    reduce_draft_grads: Callable | None = None
+
+
+def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
+                        rollout_draft) -> PolicyLayout:
+    """The `PolicyLayout` of ``group`` (None: one process)."""
+    g = cfg.grpo
+    pp = group.pp if group is not None else 1
+    if pp > 1:
+        return _pipelined(cfg, policy, group, draft, rollout_policy, rollout_draft)
+    trained = policy.train()
+    reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
+                 if g.log_kl or g.kl_coef else None)
+    optimizer = _adamw(trained, cfg)
+    kwargs = _loss_kwargs(cfg)
+    is_rollout_rank = group is None or group.is_rollout_rank
+    syncs = dict(weight_sync=InProcessWeightSync(rollout_policy) if is_rollout_rank else None,
+                 draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None)
+    if group is None:
+        step = LocalPolicyStep(trained, reference, optimizer, autocast=g.autocast, **kwargs)
+        return PolicyLayout(trained, reference, optimizer, step, **syncs)
+    from cospec.rl.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
+
+    step = ContextParallelPolicyStep(trained, reference, optimizer, group=None, autocast=g.autocast,
+                                     **kwargs)
+    cp_loss = ContextParallelDraftLoss(group=None)
+    return PolicyLayout(trained, reference, optimizer, step, **syncs, draft_loss=cp_loss,
+                        reduce_draft_grads=cp_loss.reduce_grads)
+
+
+def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_draft) -> PolicyLayout:
+    """pp > 1: this rank's stage, its reference stage, the pipelined step; the stages of cp column 0
+    (rank 0's) make up the policy the engine gets, the other columns hold equal replicas and send
+    nothing; under cp the last stage's cp ranks co-train the draft on zigzag shards."""
+    from cospec.parallel.pipeline import build_stage, split_layers
+    from cospec.rl.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
+
+    layers = split_layers(cfg.model.num_layers, group.pp)
+    stage = dict(layers=layers[group.stage], stage=group.stage, num_stages=group.pp)
+    trained = build_stage(policy, **stage).train()
+    reference = build_stage(policy, **stage).eval().requires_grad_(False)
+    optimizer = _adamw(trained, cfg)
+    taps = draft.tap_layers if draft is not None and cfg.draft.mode == "cotrain" else ()
+    step = PipelinedPolicyStep(
+        trained, reference, optimizer, stage=group.stage, stage_layers=layers,
+        pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
+        num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
+        tap_layers=taps, **_loss_kwargs(cfg))
+    layout = PolicyLayout(
+        trained, reference, optimizer, step,
+        weight_sync=StageWeightSync(group.pipe_group, rollout_policy) if group.cp_rank == 0 else None,
+        draft_sync=DraftWeightSync(rollout_draft, src=group.draft_rank) if draft is not None else None)
+    if group.cp > 1:
+        from cospec.rl.cp_step import ContextParallelDraftLoss
+
+        cp_loss = ContextParallelDraftLoss(group=group.cp_group)
+        layout.draft_loss, layout.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
+    return layout
+
+
+def _adamw(module, cfg: RunConfig) -> torch.optim.AdamW:
+    g = cfg.grpo
+    return torch.optim.AdamW(module.parameters(), lr=g.lr, betas=(0.9, 0.99),
+                             weight_decay=g.weight_decay)
+
+
+def _loss_kwargs(cfg: RunConfig) -> dict:
+    g = cfg.grpo
+    return dict(temperature=cfg.sampling.temperature, clip_low=g.clip_low, clip_high=g.clip_high,
+                kl_coef=g.kl_coef, grad_clip=g.grad_clip)

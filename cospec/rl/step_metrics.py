@@ -1,0 +1,67 @@
+"""The metrics of one GRPO step: what `cospec.metrics.run_log` writes per step and the console shows.
+
+``batch`` is the trainer's `RolloutBatch` (examples, completions, rewards, generation time and
+tokens, the engine's `SpeculationStats` or None).
+"""
+
+from __future__ import annotations
+
+
+def step_metrics(batch, train: dict, seconds: dict) -> dict:
+    """One GRPO step's log row: reward (overall, by family), accuracy, response lengths, the
+    policy step's metrics (``train``), the time split (``seconds``), rollout tokens/s, and the
+    speculation metrics when the rollouts were speculative."""
+    rewards = batch.rewards.tolist()
+    by_family: dict[str, list[float]] = {}
+    for ex, r in zip(batch.examples, rewards):
+        by_family.setdefault(ex.family, []).append(r)
+    lengths = sorted(len(c.tokens) for c in batch.completions)
+    total = sum(seconds.values())
+    m = {"reward": sum(rewards) / len(rewards),
+         "reward_by_family": {k: sum(v) / len(v) for k, v in sorted(by_family.items())},
+         "accuracy": sum(r == 1.0 for r in rewards) / len(rewards),
+         "response_length": {"mean": sum(lengths) / len(lengths),
+                             "p90": lengths[int(0.9 * (len(lengths) - 1))], "max": lengths[-1]},
+         **train,
+         "time": {k: v for k, v in seconds.items()},
+         "time_share": {k: v / total for k, v in seconds.items()},
+         "step_seconds": total,
+         "rollout_tok_s": batch.num_tokens / max(batch.generate_seconds, 1e-9)}
+    if batch.stats is not None:
+        m.update(speculation_metrics(batch, seconds))
+    return m
+
+
+def speculation_metrics(batch, seconds: dict) -> dict:
+    """tau and acceptance overall, per position and per task family; overshoot by position; and
+    the cost account: draft-training time against the rollout time speculation saved."""
+    st = batch.stats
+    fam: dict[str, list[float]] = {}
+    for ex, judged, acc, tau in zip(batch.examples, st.per_row_judged, st.per_row_accepted,
+                                    st.per_row_accept_length):
+        f = fam.setdefault(ex.family, [0, 0, 0.0, 0])
+        f[0] += judged
+        f[1] += acc
+        f[2] += tau
+        f[3] += 1
+    m = {"accept_length": st.accept_length, "acceptance_by_position": st.acceptance_by_position,
+         "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
+         "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},
+         "overshoot_by_position": st.overshoot_by_position,
+         "gamma_counts": {str(k): v for k, v in sorted(st.gamma_counts.items())}}
+    if st.plain_decode_estimate_seconds is not None:
+        saved = st.plain_decode_estimate_seconds - st.draft_seconds - st.verify_seconds
+        net = saved - seconds.get("train_draft", 0.0)
+        step = sum(seconds.values())
+        m["cost"] = {"rollout_saved_seconds_est": saved, "draft_train_seconds": seconds.get("train_draft", 0.0),
+                     "net_saved_seconds_est": net, "e2e_speedup_est": (step + net) / step,
+                     "draft_train_share": seconds.get("train_draft", 0.0) / step}
+    return m
+
+
+def console_line(m: dict) -> str:
+    line = (f"reward {m['reward']:.3f} kl {m['kl_from_init']:.4f} len {m['response_length']['mean']:.1f} "
+            f"gen {m['time_share']['generate']:.0%} {m['rollout_tok_s']:.0f} tok/s")
+    if "accept_length" in m:
+        line += f" tau {m['accept_length']:.2f}"
+    return line

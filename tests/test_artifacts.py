@@ -1,0 +1,100 @@
+"""Specification of artifacts keyed by what made them (cospec.artifacts): the SFT policy and the drafts
+in out_dir are reused only when the config fields that make them are the same; otherwise rebuilt,
+with a message naming the fields that differ, unless reuse is forced. Reuse is read off the files:
+a reused artifact's weights file keeps its modification time."""
+
+import json
+
+import pytest
+import torch
+
+from cospec.artifacts import (MADE_BY, draft_fields, load_or_train_draft, load_or_train_sft,
+                              sft_fields)
+from cospec.config import apply, resolve
+from cospec.cli import main
+
+CPU = torch.device("cpu")
+
+
+def tiny(tmp_path, *overrides):
+    return resolve("tiny", overrides=[f"out_dir={tmp_path}", "sft.steps=2", "draft.train_steps=2",
+                                      "draft.num_train_prompts=4", "sampling.max_new_tokens=4",
+                                      *overrides])
+
+
+def mtime(path) -> int:
+    return path.stat().st_mtime_ns
+
+
+def test_the_sft_policy_is_reused_on_equal_fields_and_rebuilt_naming_the_changed_one(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    load_or_train_sft(cfg, CPU)
+    weights = tmp_path / "sft" / "model.safetensors"
+    stamp = json.loads((tmp_path / "sft" / MADE_BY).read_text())
+    assert stamp["fields"]["sft"]["steps"] == 2
+    first = mtime(weights)
+
+    load_or_train_sft(apply(cfg, {"grpo": {"lr": 1.0}, "task": {"source": "math"}}), CPU)
+    assert mtime(weights) == first, "RL fields and the prompt source do not make the SFT policy"
+
+    capsys.readouterr()
+    load_or_train_sft(apply(cfg, {"sft": {"steps": 3}}), CPU)
+    assert "sft.steps (2 -> 3)" in capsys.readouterr().out
+    assert mtime(weights) != first
+    assert json.loads((tmp_path / "sft" / MADE_BY).read_text())["fields"]["sft"]["steps"] == 3
+
+
+def test_forced_reuse_keeps_a_mismatched_sft_policy_with_a_warning(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    load_or_train_sft(cfg, CPU)
+    first = mtime(tmp_path / "sft" / "model.safetensors")
+    capsys.readouterr()
+    load_or_train_sft(apply(cfg, {"task": {"families": ["copy", "add"]}}), CPU, reuse=True)
+    assert mtime(tmp_path / "sft" / "model.safetensors") == first
+    assert "warning: reusing SFT checkpoint" in capsys.readouterr().out
+
+
+def test_an_artifact_without_a_stamp_is_rebuilt(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    load_or_train_sft(cfg, CPU)
+    (tmp_path / "sft" / MADE_BY).unlink()
+    capsys.readouterr()
+    load_or_train_sft(cfg, CPU)
+    assert f"has no readable {MADE_BY}" in capsys.readouterr().out
+    assert (tmp_path / "sft" / MADE_BY).exists()
+
+
+def test_a_draft_is_rebuilt_when_its_policy_or_offline_fields_change_not_its_online_ones(tmp_path):
+    cfg = tiny(tmp_path)
+    policy, _ = load_or_train_sft(cfg, CPU)
+    load_or_train_draft(cfg, policy, progress=False)
+    weights = tmp_path / "draft" / "model.safetensors"
+    first = mtime(weights)
+    online = apply(cfg, {"rollout": {"speculative": True},
+                         "draft": {"mode": "cotrain", "cotrain_lr": 0.5, "cotrain_iters": 3}})
+    _, metrics = load_or_train_draft(online, policy, progress=False)
+    assert metrics is None and mtime(weights) == first
+
+    _, metrics = load_or_train_draft(apply(cfg, {"draft": {"train_steps": 3}}), policy, progress=False)
+    assert metrics is not None and mtime(weights) != first
+
+
+def test_a_draft_records_the_policy_it_was_trained_on():
+    """A new SFT policy (other sft.* fields) changes every draft's fingerprint: its samples and
+    features came from the old policy."""
+    cfg = resolve("tiny")
+    assert draft_fields(cfg)["policy"] == sft_fields(cfg)
+    assert draft_fields(apply(cfg, {"sft": {"lr": 0.5}})) != draft_fields(cfg)
+    assert draft_fields(apply(cfg, {"draft": {"mode": "frozen", "oracle_every": 3}})) == draft_fields(cfg)
+
+
+def test_the_demo_takes_grpo_steps_from_a_config_file(tmp_path):
+    """No command overrides a config file's value: the demo's budget is the default recipe's."""
+    (tmp_path / "demo.yaml").write_text("grpo:\n  steps: 1\n  eval_every: 0\n")
+    out = tmp_path / "run"
+    assert main(["demo", "--recipe", "tiny", "--config", str(tmp_path / "demo.yaml"),
+                 f"out_dir={out}", "sft.steps=2", "draft.train_steps=2",
+                 "draft.num_train_prompts=4", "sampling.max_new_tokens=6"]) == 0
+    for mode in ("none", "frozen", "cotrain-ce"):
+        rows = [json.loads(line) for line in (out / "stale-draft" / mode / "metrics.jsonl").open()]
+        assert [r["step"] for r in rows] == [1], mode
