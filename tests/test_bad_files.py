@@ -166,3 +166,21 @@ def test_fields_that_do_not_fit_a_checkpoints_architecture_fail_once_it_is_read(
     assert "draft.tap_layers: [0, 1, 3]: the policy has layers 0..2" in capsys.readouterr().err
     assert main([*common, "draft.vocab_size=301"]) == 2
     assert "model.vocab_size=300" in capsys.readouterr().err
+
+
+def test_a_nan_weight_in_the_saved_sft_policy_exits_2_naming_the_file_and_tensor(tmp_path, capsys):
+    """A NaN weight used to load, generate PAD tokens with NaN logprobs, and exit 0."""
+    from safetensors.torch import load_file, save_file
+
+    args = ["--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", "grpo.steps=1",
+            "grpo.eval_every=0", "sampling.max_new_tokens=4"]
+    assert main(["sft", *args]) == 0
+    weights = tmp_path / "sft" / "model.safetensors"
+    tensors = load_file(weights)
+    tensors["model.layers.0.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, weights, metadata={"format": "pt"})
+    capsys.readouterr()
+    assert main(["train", *args]) == 2
+    err = capsys.readouterr().err
+    assert "sft: non-finite values (NaN or inf) in model.layers.0.mlp.up_proj.weight" in err
+    assert not (tmp_path / "rl" / "metrics.jsonl").exists()

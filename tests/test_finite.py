@@ -100,7 +100,7 @@ def test_loading_a_checkpoint_with_a_nan_weight_names_the_file_and_the_tensor(tm
     pol = policy()
     poison(pol, "layers.2.self_attn.q_proj")
     save_hf(pol, tmp_path / "ckpt")
-    with pytest.raises(NonFiniteError, match=r"ckpt: non-finite .* layers\.2\.self_attn\.q_proj"):
+    with pytest.raises(NonFiniteError, match=r"ckpt: non-finite .* in model\.layers\.2\.self_attn\.q_proj"):
         load_hf(tmp_path / "ckpt")
 
 

@@ -218,7 +218,7 @@ def model_from_state(cfg: ModelConfig, state: dict[str, Tensor], source: str,
         raise CheckpointError(f"{source}: checkpoint does not match the config: "
                          f"missing {[checkpoint_name(n) for n in missing]}, "
                          f"unexpected {[checkpoint_name(n) for n in unexpected]}")
-    check_finite(state, source)
+    check_finite({checkpoint_name(k): v for k, v in state.items()}, source)  # the file's names
     bad_shapes = [f"{checkpoint_name(n)} {tuple(state[n].shape)} (expected {tuple(t.shape)})"
                   for n, t in model.state_dict().items() if n in state and state[n].shape != t.shape]
     if bad_shapes:

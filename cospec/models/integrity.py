@@ -33,6 +33,11 @@ class CheckpointError(ValueError):
     """A file that cannot be read as what it should be; the message names the file."""
 
 
+class NonFiniteWeightsError(CheckpointError, NonFiniteError):
+    """A checkpoint file whose weights hold a NaN or an inf: a bad input file (as a `CheckpointError`,
+    exit 2 from the CLI) and a non-finite value (as a `NonFiniteError`)."""
+
+
 def nonfinite_names(tensors: Mapping[str, Tensor]) -> list[str]:
     """The names of the floating-point tensors holding a NaN or an inf."""
     return [name for name, t in tensors.items()
@@ -40,11 +45,11 @@ def nonfinite_names(tensors: Mapping[str, Tensor]) -> list[str]:
 
 
 def check_finite(tensors: Mapping[str, Tensor], source: str) -> None:
-    """NonFiniteError naming `source` and the first tensors (by name) with a NaN or an inf."""
+    """`NonFiniteWeightsError` naming `source` and the first tensors (by name) with a NaN or an inf."""
     bad = nonfinite_names(tensors)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise NonFiniteError(f"{source}: non-finite values (NaN or inf) in {', '.join(bad[:3])}"
+        raise NonFiniteWeightsError(f"{source}: non-finite values (NaN or inf) in {', '.join(bad[:3])}"
                              f"{more}; the weights are unusable")
 
 
