@@ -316,3 +316,43 @@ def test_a_prompt_too_long_for_the_cache_is_rejected_before_any_work(policy):
     engine = SpeculativeEngine(policy, drafts_for(policy)["eagle3"], batch_size=2, max_seq_len=10)
     with pytest.raises(ValueError, match="prompts may have at most 9 tokens"):
         engine.generate([[BOS] * 10], SamplingConfig())
+
+
+# ----------------------------------------------------------------------------- host reads per step
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that copy a device value to the host (a device sync on CUDA): tolist,
+    item, and the Python conversions of a tensor. (Data-dependent shapes, e.g. boolean indexing,
+    would sync too without passing here: the engines use none.)"""
+
+    READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += getattr(func, "__name__", "") in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "lm", "adaptive"])
+def test_every_step_reads_the_device_once(policy, kind):
+    """One host read per policy forward (refill or step): the accepted counts, tokens, logprobs
+    and the finiteness verdict travel in one copy; the caches learn their rows' lengths from the
+    host (`KVCache.expect_longest`), and a speculative generate adds one read at its end (the
+    overshoot sums)."""
+    drafts = drafts_for(policy)
+    if kind == "plain":
+        engine = GenerationEngine(policy, batch_size=3)
+    else:
+        engine = SpeculativeEngine(policy, drafts["lm" if kind == "lm" else "eagle3"], batch_size=3,
+                                   gamma=3, adaptive=kind == "adaptive")
+        if kind == "adaptive":  # calibration measures forwards on dummy rows: not a step
+            engine.generate(make_prompts([4]), SamplingConfig(temperature=1.0, max_new_tokens=2))
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=12)
+    prompts = make_prompts([3, 5, 4, 6, 2])
+    with HostReads() as reads:
+        result = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+    assert result.num_forwards > 5
+    assert reads.count == result.num_forwards + (kind != "plain")

@@ -145,6 +145,22 @@ def append_until_finished(row: Completion, tokens: list[int], logprobs: list[flo
     return False
 
 
+def host_rows(*tensors_NT: Tensor) -> list[list[list]]:
+    """Several 2-D tensors read to the host in ONE copy (a device sync each would otherwise be
+    taken): each as its list of rows, integer tensors as ints. Carried as float64, which holds
+    token ids (< 2^53) and fp32 logprobs exactly, so the values are those of ``.tolist()``."""
+    flat = torch.cat([t.reshape(-1).double() for t in tensors_NT]).tolist()
+    out, start = [], 0
+    for t in tensors_NT:
+        rows, cols = t.shape
+        values = flat[start:start + rows * cols]
+        start += rows * cols
+        if not t.is_floating_point():
+            values = [int(v) for v in values]
+        out.append([values[r * cols:(r + 1) * cols] for r in range(rows)])
+    return out
+
+
 def check_logprobs_finite(logprobs: list[float], forward: int) -> None:
     """NonFiniteError unless every sampled token's logprob is finite. A sampled token has p > 0, so
     its logprob is finite unless the policy's logits were not (a NaN logit makes the row's softmax
@@ -229,10 +245,10 @@ class GenerationEngine:
         self.num_forwards = 0
 
         def record(rows: list[int], ids_N: Tensor, logprobs_N: Tensor) -> None:
-            # Device sync: the host must see the tokens to spot EOS and free slots.
-            logprobs = logprobs_N.tolist()
+            # The step's one device sync: the host must see the tokens to spot EOS and free slots.
+            ids, logprobs = (sum(x, []) for x in host_rows(ids_N[:, None], logprobs_N[:, None]))
             check_logprobs_finite(logprobs, self.num_forwards)
-            for slot, tok, lp in zip(rows, ids_N.tolist(), logprobs):
+            for slot, tok, lp in zip(rows, ids, logprobs):
                 row = slots[slot]
                 if append_until_finished(row, [tok], [lp], max_new_tokens=sampling.max_new_tokens,
                                          capacity=self.capacity, stop_ids=self.stop_ids):
@@ -246,6 +262,7 @@ class GenerationEngine:
                     i = queue.popleft()
                     slots[s] = Completion(index=i, prompt=list(prompts[i]))
                 rows_N = torch.tensor(free, device=device)
+                self.cache.expect_longest(0)  # the rows are emptied first
                 logits_NV, _ = prefill_slots(self.model, self.cache, rows_N,
                                              [slots[s].prompt for s in free])
                 self.num_forwards += 1
@@ -260,6 +277,9 @@ class GenerationEngine:
             else:  # tail: only the active rows
                 rows_N = torch.tensor(active, device=device)
                 last_N = last_B[rows_N]
+            # a row's cache holds its prompt and every response token but the last sampled one
+            self.cache.expect_longest(max(len(slots[s].prompt) + len(slots[s].tokens) - 1
+                                          for s in active))
             logits_NV = decode_step(self.model, self.cache, last_N, rows_N)
             self.num_forwards += 1
             ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)

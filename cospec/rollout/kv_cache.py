@@ -10,6 +10,12 @@ lowering its length: `truncate`.
 A forward with the cache writes the T new tokens of each row at slots lengths_b .. lengths_b+T-1 of
 every layer, then `advance` adds each row's count of *valid* new tokens (a right-padded prefill of
 rows with different prompt lengths passes ``num_valid_B``).
+
+Host reads: a forward must know, on the host, how many slots its attention covers (a shape), which
+would read ``lengths_B`` back from the device every forward. A caller that knows its rows' lengths
+on the host (the engines do: they record every token) says so first with `expect_longest`, and
+the next `check_room` uses that instead of the device read. Without it (calibration, tests, any
+other caller) `check_room` reads the lengths, as before.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class KVCache(nn.Module):
         self.register_buffer("v_LBHSD", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("lengths_B", torch.zeros(batch_size, dtype=torch.long, device=device),
                              persistent=False)
+        self._longest_hint: int | None = None  # see `expect_longest`
 
     @classmethod
     def for_model(cls, model, batch_size: int, capacity: int | None = None) -> "KVCache":
@@ -49,10 +56,18 @@ class KVCache(nn.Module):
             return torch.arange(self.batch_size, device=self.lengths_B.device)
         return rows
 
+    def expect_longest(self, length: int) -> None:
+        """The caller knows (on the host) that no row the next forward addresses is longer than
+        `length` before it writes: the next `check_room` takes that instead of reading the device."""
+        self._longest_hint = length
+
     def check_room(self, num_new: int, rows: Tensor | None = None) -> int:
         """The longest addressed row after writing num_new tokens (the slots attention must cover);
-        ValueError if that overflows the capacity."""
-        longest = int(self.lengths_B[self._rows(rows)].max()) + num_new  # device sync
+        ValueError if that overflows the capacity. One device read unless `expect_longest` said."""
+        if self._longest_hint is not None:
+            longest, self._longest_hint = self._longest_hint + num_new, None
+        else:
+            longest = int(self.lengths_B[self._rows(rows)].max()) + num_new  # device sync
         if longest > self.capacity:
             raise ValueError(f"KV cache overflow: a row would reach {longest} tokens, capacity is "
                              f"{self.capacity} (model.max_seq_len)")
@@ -79,7 +94,8 @@ class KVCache(nn.Module):
     def truncate(self, new_lengths_B: Tensor, rows: Tensor | None = None) -> None:
         """Roll rows back to `new_lengths_B` (never forward: stale slots are not valid)."""
         r = self._rows(rows)
-        assert bool((new_lengths_B <= self.lengths_B[r]).all()), "truncate cannot grow a row"
+        # Checked without a host read (on CUDA the assert fires asynchronously)
+        torch._assert_async((new_lengths_B <= self.lengths_B[r]).all(), "truncate cannot grow a row")
         self.lengths_B[r] = new_lengths_B
 
     def reset(self, rows: Tensor | None = None) -> None:

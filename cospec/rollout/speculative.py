@@ -45,8 +45,8 @@ from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
-                                   append_until_finished, check_logprobs_finite, prefill_slots,
-                                   score_tokens)
+                                   append_until_finished, check_logprobs_finite, host_rows,
+                                   prefill_slots, score_tokens)
 from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
                                      sample_tokens)
 from cospec.rollout.verify import (DenseProbs, HeadProbs, head_index, nonfinite_message,
@@ -214,6 +214,7 @@ class SpeculativeEngine(GenerationEngine):
             self.slots[s] = Completion(index=i, prompt=list(prompts[i]))
             self.row_counts[i] = [0, 0, 0, 0]  # steps, tokens, drafts judged, drafts accepted
         rows_N = torch.tensor(free, device=device)
+        self.cache.expect_longest(0)  # the rows are emptied first
         logits_NV, out = prefill_slots(self.model, self.cache, rows_N,
                                        [self.slots[s].prompt for s in free],
                                        tap_layers=self.drafter.tap_layers)
@@ -228,6 +229,7 @@ class SpeculativeEngine(GenerationEngine):
             self.feat_BSF[rows_N, 0] = 0
             self.feat_BSF[rows_N, 1:P + 1] = self.drafter.features(out.taps).to(self.feat_BSF.dtype)
         self.draft_cache.reset(rows_N)
+        self.draft_cache.expect_longest(0)
         # Draft prefill: the new rows' prompt entries 0..P-1 now, in a call of their own, so that
         # the next step's catch-up is as narrow as the accepted tokens (a catch-up is padded to its
         # widest row: a prompt there would make every active row pay for it).
@@ -236,8 +238,8 @@ class SpeculativeEngine(GenerationEngine):
         self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N, lengths_N)
         for s, n in zip(free, lengths):
             self.n[s], self.e[s] = n, n
-        self._record(free, [[t] for t in ids_N.tolist()], [[lp] for lp in logprobs_N.tolist()],
-                     sampling, done, on_finish)
+        ids, lps = host_rows(ids_N[:, None], logprobs_N[:, None])  # the refill's one host read
+        self._record(free, ids, lps, sampling, done, on_finish)
 
     def _step(self, active, gamma, sampling, generator, done, on_finish) -> tuple[float, float]:
         """One decode step of the active slots at `gamma`; returns (draft, verify) seconds."""
@@ -251,6 +253,7 @@ class SpeculativeEngine(GenerationEngine):
         t1 = synced_time(self.seq_BS)
         pending_N = self.seq_BS[rows_N, n_N]
         tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
+        self.cache.expect_longest(max(self.n[s] for s in active))
         out = score_tokens(self.model, self.cache, tokens_NT, rows_t,
                            tap_layers=self.drafter.tap_layers)
         t2 = synced_time(self.seq_BS)
@@ -274,12 +277,14 @@ class SpeculativeEngine(GenerationEngine):
             self.feat_BSF[rows_N[:, None], cols_NT] = self.drafter.features(out.taps).to(
                 self.feat_BSF.dtype)
         self.cache.truncate(n_N + 1 + num_accepted, rows_t)  # keep s_n and the accepted drafts
-        # Device sync: the host needs the counts to record tokens; the finiteness verdict rides along.
-        *ks, nonfinite = torch.cat([num_accepted, verdict.nonfinite[None] if gamma else
-                                    num_accepted.new_zeros(1)]).tolist()
+        # The step's one host read: the counts, tokens and logprobs to record, and the finiteness
+        # verdict, in one copy.
+        flag = verdict.nonfinite if gamma else num_accepted.new_zeros(())
+        emitted, lps, ks, (nonfinite,) = host_rows(emitted_NT, logprobs_NT, num_accepted[:, None],
+                                                   flag.view(1, 1))
+        ks, nonfinite = [k for (k,) in ks], nonfinite[0]
         if nonfinite:
             raise NonFiniteError(nonfinite_message(nonfinite, self._where(gamma)))
-        emitted, lps = emitted_NT.tolist(), logprobs_NT.tolist()
         self._account(active, gamma, ks, t1 - t0, t2 - t1)
         for s, k in zip(active, ks):
             self.n[s] += k + 1
@@ -301,6 +306,7 @@ class SpeculativeEngine(GenerationEngine):
         self._draft_start, self._catch_up_width = synced_time(self.seq_BS), W
         idx_NW = torch.minimum(e_N[:, None] + torch.arange(W, device=device), n_N[:, None])
         feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NW]
+        self.draft_cache.expect_longest(max(self.e[s] for s in active))
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
                                      rows_t, width_N)
         last = torch.arange(len(active), device=device), width_N - 1
@@ -317,7 +323,8 @@ class SpeculativeEngine(GenerationEngine):
                 x_N = ids[x_N]
             drafts.append(x_N)
             qs.append(q_NV)
-            if j + 1 < gamma:
+            if j + 1 < gamma:  # the rows' draft caches hold n + 1 + j entries now
+                self.draft_cache.expect_longest(max(self.n[s] for s in active) + 1 + j)
                 logits, state = self.drafter(self.draft_cache, x_N[:, None],
                                              None if state_NC is None else state_NC[:, None], rows_t)
                 logits_NV, state_NC = logits[:, 0], None if state is None else state[:, 0]
