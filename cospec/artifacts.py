@@ -28,6 +28,7 @@ import torch
 
 from cospec.config import ConfigError, RunConfig
 from cospec.data.tokenizer import CharTokenizer, Tokenizer
+from cospec.models.integrity import NonFiniteError, nonfinite_names, read_json_object
 from cospec.models.llama import Transformer
 
 MADE_BY = "made_by.json"
@@ -45,11 +46,12 @@ def sft_fields(cfg: RunConfig) -> dict:
     return {"model": c["model"], "task": task, "sft": sft}
 
 
-def draft_fields(cfg: RunConfig) -> dict:
-    """What an offline-trained draft is made from: its policy (by the policy's own fields), the
-    prompts and sampling of its training data, and its own offline fields."""
+def draft_fields(cfg: RunConfig, policy_fields: dict | None = None) -> dict:
+    """What an offline-trained draft is made from: its policy (``policy_fields``: the fields the
+    policy was made from; default the config's), the prompts and sampling of its training data,
+    and its own offline fields."""
     c = dataclasses.asdict(cfg)
-    policy = {"model": c["model"]} if cfg.model.path else sft_fields(cfg)
+    policy = policy_fields or ({"model": c["model"]} if cfg.model.path else sft_fields(cfg))
     draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS}
     sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
     return {"policy": policy, "task": c["task"], "sampling": sampling,
@@ -80,7 +82,25 @@ def differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
-def reuse_decision(path: Path, fields: dict, *, reuse: bool = False, what: str) -> bool:
+def made_by_fields(path: Path) -> dict | None:
+    """The fields stamped on the artifact at `path`, or None without a readable stamp."""
+    try:
+        fields = json.loads((Path(path) / MADE_BY).read_text()).get("fields")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return fields if isinstance(fields, dict) else None
+
+
+def starting_policy_fields(cfg: RunConfig) -> dict:
+    """The fields of the policy a run starts from as it is on disk: the stamp of out_dir/sft (which
+    ``--reuse`` may have kept although the config asks for other settings), else the config's."""
+    if cfg.model.path:
+        return {"model": dataclasses.asdict(cfg.model)}
+    return made_by_fields(Path(cfg.out_dir) / "sft") or sft_fields(cfg)
+
+
+def reuse_decision(path: Path, fields: dict, *, reuse: bool = False, what: str,
+                   otherwise: str = "rebuilding it") -> bool:
     """Whether the artifact at `path` is to be reused for a run whose config gives `fields`:
     True on a matching fingerprint, or when `reuse` overrides a mismatch; False (rebuild) otherwise.
     Says which, and why, on stdout."""
@@ -103,7 +123,7 @@ def reuse_decision(path: Path, fields: dict, *, reuse: bool = False, what: str) 
     if reuse:
         print(f"warning: reusing {what} {path} as asked (--reuse), although it {why}")
         return True
-    print(f"{what} {path} {why}: rebuilding it (--reuse keeps it)")
+    print(f"{what} {path} {why}: {otherwise} (--reuse keeps it)")
     return False
 
 
@@ -127,13 +147,19 @@ def load_or_train_sft(cfg: RunConfig, device: torch.device, *, force: bool = Fal
 
     out = Path(cfg.out_dir)
     ckpt, metrics_path = out / "sft", out / "sft_metrics.json"
-    if (not force and ckpt.exists() and metrics_path.exists()
+    if not force and ckpt.exists() and not metrics_path.exists():
+        print(f"SFT checkpoint {ckpt} has no {metrics_path.name} beside it: retraining")
+    elif (not force and ckpt.exists()
             and reuse_decision(ckpt, sft_fields(cfg), reuse=reuse, what="SFT checkpoint")):
         model = load_hf(ckpt, device=device)
         if model.config == cfg.model:
-            return model.eval(), json.loads(metrics_path.read_text())
+            return model.eval(), read_json_object(metrics_path, "the SFT run's metrics")
         print(f"SFT checkpoint {ckpt} has another model config than model.*: retraining")
     model, metrics = train_sft(cfg, device=device)
+    bad = nonfinite_names(model.state_dict())
+    if bad:
+        raise NonFiniteError(f"SFT diverged (final loss {metrics['final_loss']}): non-finite "
+                             f"weights in {', '.join(bad[:3])}; nothing saved (lower sft.lr?)")
     save_sft(model, metrics, cfg, out)
     write_made_by(ckpt, sft_fields(cfg))
     print(f"saved SFT checkpoint to {ckpt}")
@@ -172,14 +198,20 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
 
     path = draft_dir(cfg)
     device = next(policy.parameters()).device
+    fields = draft_fields(cfg, starting_policy_fields(cfg))
     if (not force and path.exists()
-            and reuse_decision(path, draft_fields(cfg), reuse=reuse, what="draft")):
+            and reuse_decision(path, fields, reuse=reuse, what="draft")):
         draft = load_draft(path, device=device)
         if draft_fits(draft, cfg, policy):
             return draft.eval(), None
         print(f"draft {path} does not fit this policy and draft config: retraining")
     draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress)
+    bad = nonfinite_names(draft.state_dict())
+    if bad:  # saved, every later command would refuse it as a bad file
+        raise NonFiniteError(f"offline draft training diverged (final loss {metrics['final_loss']}): "
+                             f"non-finite weights in {', '.join(bad[:3])}; nothing saved (lower "
+                             f"draft.lr?)")
     save_draft(draft, path)
-    write_made_by(path, draft_fields(cfg))
+    write_made_by(path, fields)
     print(f"saved draft to {path}")
     return draft, metrics

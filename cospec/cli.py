@@ -112,6 +112,8 @@ def cmd_export(args) -> int:
     try:
         export_run(cfg, args.out or f"{cfg.out_dir}/export", device=pick_device(cfg.device),
                    reuse=args.reuse)
+    except CheckpointError:  # a bad file is said as one (exit 2), not as a config error
+        raise
     except ValueError as e:  # what the target layouts cannot express (e.g. repeated tap layers)
         raise ConfigError(f"export: {e}") from e
     return 0
@@ -153,7 +155,7 @@ def cmd_train(args) -> int:
     """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts; under
     torchrun with parallel.cp or parallel.pp > 1, distributed (cospec.parallel.train_group)."""
     from cospec.parallel.train_group import join_train_group
-    from cospec.rl.trainer import check_rl_config
+    from cospec.rl.layouts import check_rl_config
 
     cfg = _resolve(args)
     check_rl_config(cfg)

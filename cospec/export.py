@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from cospec.config import RunConfig
+from cospec.config import RunConfig, apply
 from cospec.data.tokenizer import HFTokenizer, Tokenizer
 from cospec.models.draft import Eagle3Draft
 
@@ -58,7 +58,7 @@ def export_policy(policy, tokenizer: Tokenizer, path: Path, *, max_position_embe
 def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu",
                reuse: bool = False) -> dict[str, Path]:
     """Write the run's policy (and draft, when it has an EAGLE-3 one) under `out`; their paths."""
-    from cospec.artifacts import load_policy
+    from cospec.artifacts import draft_fields, load_policy, reuse_decision, starting_policy_fields
     from cospec.draft.offline import draft_dir
     from cospec.models.draft_checkpoint import load_draft
     from cospec.models.eagle3_export import export_eagle3
@@ -67,16 +67,21 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
 
     out = Path(out)
     last = latest_checkpoint(Path(cfg.out_dir) / "rl" / "checkpoints")
-    if last is not None:
+    context = context_length(cfg)
+    if last is not None:  # the run's own policy and draft, at the length the run trained at
         ckpt = load_checkpoint(last, device=device)
         policy, draft, source = ckpt["policy"], ckpt["draft"], str(last)
         tokenizer = load_tokenizer(cfg.model)
+        if not cfg.model.path:
+            context = ckpt["config"].get("model", {}).get("max_seq_len", context)
     else:
         start = load_policy(cfg, device, reuse=reuse)  # its tokenizer too: loaded once
         policy, tokenizer, source = start.policy, start.tokenizer, cfg.model.path or f"{cfg.out_dir}/sft"
         saved = draft_dir(cfg, "eagle3")
-        draft = load_draft(saved, device=device) if saved.exists() else None
-    written, context = {}, context_length(cfg)
+        fields = draft_fields(apply(cfg, {"draft": {"kind": "eagle3"}}), starting_policy_fields(cfg))
+        draft = (load_draft(saved, device=device) if saved.exists() and reuse_decision(
+            saved, fields, reuse=reuse, what="draft", otherwise="not exporting it") else None)
+    written = {}
     export_policy(policy, tokenizer, out / "policy", max_position_embeddings=context)
     written["policy"] = out / "policy"
     if isinstance(draft, Eagle3Draft):

@@ -50,7 +50,7 @@ def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_
         ids, m = suite.encode_sft(suite.sample(rng), tok)
         if max_seq_len is not None and len(ids) - 1 > max_seq_len:  # the model sees ids[:-1]
             raise ConfigError(f"model.max_seq_len={max_seq_len}: an SFT example of task.families "
-                              f"has {len(ids) - 1} tokens; the embedded tasks need up to 87")
+                              f"has {len(ids) - 1} tokens; raise it to at least that")
         ids = add_label_noise(ids, m, label_noise, rng, tok)
         if encoded and used + len(ids) - 1 > tokens_per_batch:
             break
@@ -89,6 +89,9 @@ def train_sft(cfg: RunConfig, *, device: torch.device, progress: bool = True,
     torch.manual_seed(cfg.sft.seed)
     model = (model or Transformer(cfg.model)).to(device).train()
     suite = TaskSuite(cfg.task)
+    # Up front, not at the step that first draws a long example: ~18K examples of a stream of
+    # their own, 0.4 s (the families' lengths are bounded; `next_batch` keeps checking each one)
+    next_batch(suite, tok, random.Random(cfg.task.seed + 1), 4096 * 90, 0.0, cfg.model.max_seq_len)
     rng = random.Random(cfg.task.seed)
     s = cfg.sft
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

@@ -98,3 +98,41 @@ def test_the_demo_takes_grpo_steps_from_a_config_file(tmp_path):
     for mode in ("none", "frozen", "cotrain-ce"):
         rows = [json.loads(line) for line in (out / "stale-draft" / mode / "metrics.jsonl").open()]
         assert [r["step"] for r in rows] == [1], mode
+
+
+def test_a_draft_trained_on_a_reused_stale_policy_is_rebuilt_once_the_policy_is(tmp_path, capsys):
+    """--reuse keeps an SFT policy made with other settings; a draft trained then records the
+    policy it really saw (the SFT stamp), so it is rebuilt when the policy is."""
+    load_or_train_sft(tiny(tmp_path), CPU)  # sft.steps=2
+    new = tiny(tmp_path, "sft.steps=3")
+    policy, _ = load_or_train_sft(new, CPU, reuse=True)  # still the 2-step policy
+    load_or_train_draft(new, policy, progress=False)
+    policy, _ = load_or_train_sft(new, CPU)  # now retrained at 3 steps
+    capsys.readouterr()
+    _, metrics = load_or_train_draft(new, policy, progress=False)
+    assert metrics is not None, "the draft of the old policy was reused"
+    assert "policy.sft.steps (2 -> 3)" in capsys.readouterr().out
+
+
+def test_export_refuses_a_draft_made_with_other_settings_unless_reused(tmp_path, capsys):
+    args = ["--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", "draft.train_steps=2",
+            "draft.num_train_prompts=4", "sampling.max_new_tokens=4",
+            "model.num_layers=4", "draft.tap_layers=[0,1,2]"]  # distinct, below the last: EAGLE-3
+    assert main(["draft-train", *args]) == 0
+    capsys.readouterr()
+    assert main(["export", *args, "draft.train_steps=3"]) == 0
+    out = capsys.readouterr().out
+    assert "draft.train_steps (2 -> 3): not exporting it" in out
+    assert "draft_eagle3" not in out.splitlines()[-1]
+    assert main(["export", "--reuse", *args, "draft.train_steps=3"]) == 0
+    assert "draft_eagle3" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_diverged_offline_draft_is_not_saved(tmp_path):
+    from cospec.models.integrity import NonFiniteError
+
+    cfg = tiny(tmp_path, "draft.lr=1e30")
+    policy, _ = load_or_train_sft(cfg, CPU)
+    with pytest.raises(NonFiniteError, match=r"offline draft training diverged"):
+        load_or_train_draft(cfg, policy, progress=False)
+    assert not (tmp_path / "draft").exists()

@@ -110,11 +110,13 @@ def test_a_directory_that_is_no_draft_says_so(tmp_path):
         load_draft(tmp_path / "empty")
 
 
-def save_steps(root, steps):
+def save_steps(root, steps, config=None):
     torch.manual_seed(0)
     for step in steps:
-        save_checkpoint(root, step, policy=Transformer(CFG), trainer_state={"step": step},
-                        config={"step": step}, keep=5)
+        state = {"step": step, "torch_rng": torch.get_rng_state(), "prompt_rng": [3, [], None],
+                 "optimizer": {}}
+        save_checkpoint(root, step, policy=Transformer(CFG), trainer_state=state,
+                        config=config or {"step": step}, keep=5)
 
 
 def test_a_truncated_trainer_state_names_the_file(tmp_path):
@@ -184,3 +186,50 @@ def test_a_nan_weight_in_the_saved_sft_policy_exits_2_naming_the_file_and_tensor
     err = capsys.readouterr().err
     assert "sft: non-finite values (NaN or inf) in model.layers.0.mlp.up_proj.weight" in err
     assert not (tmp_path / "rl" / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("pointer", [b"\xff\xfe", b"", b"..", b"step_000009"])
+def test_a_damaged_latest_pointer_is_not_trusted(tmp_path, pointer):
+    save_steps(tmp_path, [1, 2])
+    (tmp_path / "latest").write_bytes(pointer)
+    path, ckpt = load_latest_good(tmp_path, warn=lambda _: None)
+    assert path.name == "step_000002" and ckpt["trainer_state"]["step"] == 2
+
+
+def test_a_trainer_state_without_its_optimizer_names_what_is_missing(tmp_path):
+    save_steps(tmp_path, [1])
+    torch.save({"step": 1, "torch_rng": torch.get_rng_state(), "prompt_rng": []},
+               tmp_path / "step_000001" / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match=r"trainer_state\.pt: not a trainer state \(no optimizer\)"):
+        load_checkpoint(tmp_path / "step_000001")
+
+
+def test_a_speculative_runs_checkpoint_without_its_draft_is_refused(tmp_path):
+    """Resuming it would co-train the offline draft with the co-trained one's optimizer state."""
+    save_steps(tmp_path, [1], config={"rollout": {"speculative": True}})
+    with pytest.raises(CheckpointError, match=r"step_000001: no draft/ directory"):
+        load_checkpoint(tmp_path / "step_000001")
+
+
+def test_non_finite_numbers_in_the_config_name_the_field():
+    for override in ("grpo.lr=.inf", "sampling.temperature=.nan", "draft.cotrain_lr=-.inf"):
+        with pytest.raises(ConfigError, match=rf"{override.split('=')[0]}: must be finite"):
+            resolve("tiny", overrides=[override])
+
+
+def test_an_unknown_task_family_exits_2(tmp_path, capsys):
+    assert main(["sft", "--recipe", "tiny", f"out_dir={tmp_path}", "task.families=[copy,foo]"]) == 2
+    assert "task.families: unknown 'foo'" in capsys.readouterr().err
+
+
+def test_every_record_of_a_prompt_file_is_checked_against_the_context(tmp_path):
+    from cospec.data.prompts import TaskData
+    from cospec.data.tokenizer import CharTokenizer
+
+    records = [{"prompt": "short", "answer": "1"}] * 2999 + [{"prompt": "x" * 80, "answer": "1"}]
+    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    cfg = resolve("tiny", overrides=[f"task.source={tmp_path / 'p.jsonl'}", "task.verifier=exact"])
+    data = TaskData.from_config(cfg.task, CharTokenizer())
+    data.check_room(82)
+    with pytest.raises(ConfigError, match=r"max_seq_len=81: .* 81 tokens \(record 3000\), of all 3000"):
+        data.check_room(81)

@@ -7,7 +7,6 @@ asked in rollouts. Tolerance 1e-5 (fp32; the two paths differ in summation order
 """
 
 import copy
-import math
 import random
 
 import pytest

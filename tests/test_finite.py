@@ -194,3 +194,21 @@ def test_co_training_skips_and_counts_a_non_finite_draft_update(tmp_path):
     assert metrics["draft_nonfinite_skipped"] == 2 * 1  # cotrain_iters x captured batches
     for k, v in trainer.draft.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+def test_weights_gone_non_finite_after_an_applied_update_are_never_checkpointed(tmp_path):
+    """An update whose gradient is finite can still make the weights inf (a huge step): the save
+    refuses them, so --resume never meets a checkpoint it must reject."""
+    from cospec.rl.checkpoint import latest_checkpoint
+
+    trainer = grpo_trainer(grpo_cfg(tmp_path))
+    step = trainer.optimizer.step
+
+    def overflowing_step(*args, **kwargs):  # the update leaves a NaN in a weight
+        step(*args, **kwargs)
+        poison(trainer.policy, "layers.0.mlp")
+
+    trainer.optimizer.step = overflowing_step
+    with pytest.raises(NonFiniteError, match=r"GRPO step 1: non-finite weights in the policy"):
+        trainer.run(progress=False)
+    assert latest_checkpoint(tmp_path / "rl" / "checkpoints") is None

@@ -19,7 +19,7 @@ from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.rl import grpo
 from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint
-from cospec.rl.trainer import GRPOTrainer, RolloutBatch
+from cospec.rl.trainer import GRPOTrainer
 from cospec.rollout.engine import Completion
 from cospec.config import SamplingConfig
 

@@ -9,7 +9,6 @@ level BPE of 1024 ids trained in-process and SmolLM2's special tokens (<|endofte
 import importlib.util
 import json
 import re
-import sys
 import textwrap
 
 import pytest

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import tomllib
 import types
 import typing
@@ -23,6 +24,8 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp):
             return value
+        if value is None:  # an empty section in a file ("grpo:" with nothing under it)
+            value = {}
         _check(isinstance(value, dict), name, f"expected a table of fields, got {value!r}")
         return _build(tp, value, name)
     if origin in (tuple, list):
@@ -51,6 +54,7 @@ def _coerce(value: Any, tp: Any, name: str) -> Any:
                 pass
         _check(isinstance(value, (int, float)) and not isinstance(value, bool), name,
                f"expected a number, got {value!r}")
+        _check(math.isfinite(value), name, f"must be finite, got {value!r}")
         return float(value)
     if tp is str:
         _check(isinstance(value, (str, int, float)) and not isinstance(value, bool), name,

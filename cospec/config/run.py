@@ -71,6 +71,8 @@ def _gated_fields(cfg: RunConfig) -> list[tuple[str, str, bool]]:
              for n in ("cotrain_every", "cotrain_iters", "cotrain_lr", "cotrain_max_tokens")]
     rows.append(("draft.oracle_every", "draft.mode=oracle", d.mode == "oracle"))
     rows += [(f"parallel.{n}", "parallel.pp > 1", p.pp > 1) for n in ("microbatches", "schedule")]
+    rows += [(f"task.{n}", "task.source=math", cfg.task.source == "math")
+             for n in ("math_types", "math_levels")]
     return rows
 
 

@@ -51,8 +51,9 @@ class RecordSource:
     any) or a fixed list drawn uniformly (a prompt file)."""
 
     def __init__(self, draw: Callable[[random.Random, str | None], dict], family_names: tuple[str, ...],
-                 verifier: Callable[[dict, str], float]):
+                 verifier: Callable[[dict, str], float], records: list[dict] | None = None):
         self._draw, self.family_names, self.verifier = draw, family_names, verifier
+        self.records = records  # a prompt file's every record; None for a generator
 
     @classmethod
     def from_records(cls, records: list[dict], verifier) -> "RecordSource":
@@ -64,7 +65,7 @@ class RecordSource:
             pool = records if family is None else by_type[family]
             return pool[rng.randrange(len(pool))]
 
-        return cls(draw, tuple(sorted(by_type)), verifier)
+        return cls(draw, tuple(sorted(by_type)), verifier, records)
 
     def sample(self, rng: random.Random) -> Example:
         return example_from_record(self._draw(rng, None))
@@ -151,14 +152,23 @@ class TaskData:
         return self.tokenizer.encode(example.prompt, bos=True)
 
     def check_room(self, max_seq_len: int, *, samples: int = 256, seed: int = 0) -> None:
-        """ConfigError naming model.max_seq_len when a prompt (of `samples` drawn with a fixed
-        seed) leaves no room for a response token: said before any rollout, not mid-run."""
-        rng = random.Random(seed)
-        longest = max(len(self.prompt_ids(self.source.sample(rng))) for _ in range(samples))
+        """ConfigError naming model.max_seq_len when a prompt leaves no room for a response token:
+        said before any rollout, not mid-run. A prompt file's every record is checked; a
+        generator's prompts are bounded, and `samples` of them drawn with a fixed seed."""
+        records = getattr(self.source, "records", None)
+        if records is not None:
+            examples, which = [example_from_record(r) for r in records], f"all {len(records)}"
+        else:
+            rng = random.Random(seed)
+            examples, which = [self.source.sample(rng) for _ in range(samples)], f"{samples} drawn"
+        lengths = [len(self.prompt_ids(e)) for e in examples]
+        longest = max(lengths)
         if longest + 1 > max_seq_len:
+            at = lengths.index(longest)
+            where = f" (record {at + 1})" if records is not None else ""
             raise ConfigError(f"model.max_seq_len={max_seq_len}: prompts of this task run to "
-                              f"{longest} tokens (longest of {samples} drawn), leaving no room "
-                              f"for a response; raise it above {longest}")
+                              f"{longest} tokens{where}, of {which}, leaving no room for a "
+                              f"response; raise it above {longest}")
 
     def reward(self, example: Example, response_ids: list[int]) -> float:
         """The verifier's score of a response, decoded up to its first stop id."""

@@ -37,7 +37,7 @@ import random
 import string
 from dataclasses import dataclass, field
 
-from cospec.config import TaskConfig
+from cospec.config import ConfigError, TaskConfig
 from cospec.data.tokenizer import CharTokenizer
 
 
@@ -166,7 +166,7 @@ class TaskSuite:
     def __init__(self, cfg: TaskConfig):
         unknown = [f for f in cfg.families if f not in FAMILIES]
         if unknown:
-            raise ValueError(f"task.families: unknown {', '.join(map(repr, unknown))} "
+            raise ConfigError(f"task.families: unknown {', '.join(map(repr, unknown))} "
                              f"(known: {', '.join(FAMILIES)})")
         self.families: list[TaskFamily] = [FAMILIES[f]() for f in cfg.families]
         self._by_name = {f.name: f for f in self.families}

@@ -18,6 +18,8 @@ import string
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from cospec.config import ConfigError
+
 PAD, BOS, EOS, UNK = 0, 1, 2, 3
 SPECIALS = ("<pad>", "<bos>", "<eos>", "<unk>")
 # digits, lower-case letters, and the punctuation the task prompts use
@@ -160,8 +162,8 @@ class HFTokenizer:
 
 
 def check_vocab(model_vocab_size: int, tokenizer: Tokenizer) -> None:
-    """ValueError unless the model can embed every id the tokenizer makes (a larger, padded
+    """ConfigError unless the model can embed every id the tokenizer makes (a larger, padded
     embedding is fine: `Transformer.sampled_vocab_size` keeps its extra ids out of sampling)."""
     if model_vocab_size < tokenizer.vocab_size:
-        raise ValueError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
+        raise ConfigError(f"model.vocab_size={model_vocab_size} is smaller than the tokenizer's "
                          f"vocabulary of {tokenizer.vocab_size} tokens")

@@ -11,7 +11,6 @@ Writes are atomic (temp directory, then rename), like `save_hf`.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import torch
@@ -54,7 +53,7 @@ def load_draft(path: str | Path, *, device: torch.device | str | None = None) ->
             draft.load_state_dict(state)
         except RuntimeError as e:  # missing, unexpected or mis-shaped tensors
             raise CheckpointError(f"{path}: the weights do not match {DRAFT_CONFIG_NAME}: "
-                                  f"{str(e).splitlines()[0]} ...") from e
+                                  f"{' '.join(str(e).split())[:600]}") from e
         return draft.to(device or "cpu")
     if (path / CONFIG_NAME).exists():
         return load_hf(path, device=device)

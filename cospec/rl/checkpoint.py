@@ -67,15 +67,24 @@ def save_checkpoint(root: str | Path, step: int, *, policy, trainer_state: dict,
 
 
 def latest_checkpoint(root: str | Path) -> Path | None:
-    """The newest complete checkpoint under `root`, or None."""
+    """The newest complete checkpoint under `root`, or None: the one `latest` names when it names
+    a checkpoint directory, else the highest-numbered one (a damaged pointer is not trusted)."""
     root = Path(root)
-    pointer = root / LATEST
-    if pointer.exists():
-        path = root / pointer.read_text().strip()
-        if path.is_dir():
-            return path
-    done = sorted(root.glob(f"{PREFIX}*")) if root.exists() else []
-    return done[-1] if done else None
+    done = checkpoint_dirs(root)
+    try:
+        name = (root / LATEST).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        name = ""
+    named = [p for p in done if p.name == name]
+    return named[0] if named else (done[0] if done else None)
+
+
+def checkpoint_dirs(root: Path) -> list[Path]:
+    """The complete checkpoint directories under `root` (``step_NNNNNN``), newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.glob(f"{PREFIX}*") if p.is_dir()
+                   and p.name[len(PREFIX):].isdigit()), reverse=True)
 
 
 def load_checkpoint(path: str | Path, *, device=None) -> dict:
@@ -85,12 +94,20 @@ def load_checkpoint(path: str | Path, *, device=None) -> dict:
     `NonFiniteError`."""
     path = Path(path)
     state = read_torch(path / "trainer_state.pt", "the trainer state")
-    if not isinstance(state, dict) or "step" not in state:
-        raise CheckpointError(f"{path / 'trainer_state.pt'}: not a trainer state (no step)")
+    missing = [k for k in ("step", "torch_rng", "prompt_rng") if not isinstance(state, dict)
+               or k not in state]
+    if not missing and "optimizer" not in state and "rank_states" not in state:
+        missing = ["optimizer"]
+    if missing:
+        raise CheckpointError(f"{path / 'trainer_state.pt'}: not a trainer state (no {missing[0]})")
+    config = read_json_object(path / "config.json", "the run config")
+    speculative = (config.get("rollout") or {}).get("speculative", False)
+    if speculative and not (path / "draft").exists():
+        raise CheckpointError(f"{path}: no draft/ directory, though the run's rollouts are "
+                              f"speculative (its draft is part of the state)")
     return {"policy": load_hf(path / "policy", device=device),
             "draft": load_draft(path / "draft", device=device) if (path / "draft").exists() else None,
-            "trainer_state": state,
-            "config": read_json_object(path / "config.json", "the run config")}
+            "trainer_state": state, "config": config}
 
 
 def load_latest_good(root: str | Path, *, device=None, warn=print) -> tuple[Path, dict] | None:
@@ -103,8 +120,7 @@ def load_latest_good(root: str | Path, *, device=None, warn=print) -> tuple[Path
     newest = latest_checkpoint(root)
     if newest is None:
         return None
-    candidates = [newest] + [p for p in sorted(root.glob(f"{PREFIX}*"), reverse=True)
-                             if p.is_dir() and p != newest and p.name < newest.name]
+    candidates = [newest] + [p for p in checkpoint_dirs(root) if p != newest]
     problems = []
     for path in candidates:
         try:

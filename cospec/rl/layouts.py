@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from cospec.config import RunConfig
+from cospec.config import ConfigError, RunConfig
 from cospec.draft.ttt import ttt_loss
 from cospec.rl.policy_step import LocalPolicyStep
 from cospec.rl.weight_sync import InProcessWeightSync
@@ -92,6 +92,21 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
         cp_loss = ContextParallelDraftLoss(group=group.cp_group)
         layout.draft_loss, layout.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
     return layout
+
+
+def check_rl_config(cfg: RunConfig) -> None:
+    """ConfigError for what GRPO training cannot do: its logprobs are of the temperature-scaled
+    distribution only; greedy rollouts give no group variance; no autocast in pipeline stages."""
+    s = cfg.sampling
+    if s.top_k != 0 or s.top_p != 1.0:
+        raise ConfigError("sampling.top_k/top_p: must be off (0 / 1.0) for RL: the trainer's "
+                          "logprobs are of the temperature-scaled distribution only")
+    if s.temperature == 0:
+        raise ConfigError("sampling.temperature: must be > 0 for RL (greedy rollouts have no "
+                          "group variance to learn from)")
+    if cfg.grpo.autocast and cfg.parallel.pp > 1:
+        raise ConfigError("grpo.autocast: not supported with parallel.pp > 1 yet (the pipeline's "
+                          "stages run their forwards in model.dtype)")
 
 
 def _adamw(module, cfg: RunConfig) -> torch.optim.AdamW:

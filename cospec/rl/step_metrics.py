@@ -64,4 +64,6 @@ def console_line(m: dict) -> str:
             f"gen {m['time_share']['generate']:.0%} {m['rollout_tok_s']:.0f} tok/s")
     if "accept_length" in m:
         line += f" tau {m['accept_length']:.2f}"
+    if m.get("draft_nonfinite_skipped"):  # co-training refused some non-finite updates
+        line += f" draft updates skipped (non-finite) {m['draft_nonfinite_skipped']}"
     return line

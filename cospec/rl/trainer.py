@@ -41,7 +41,7 @@ from cospec.rl import grpo
 from cospec.rl.checkpoint import (as_tuples, check_resumable, copy_weights, latest_checkpoint,
                                  load_latest_good, save_checkpoint)
 from cospec.rl.cotrain import cotrain_draft
-from cospec.rl.layouts import build_policy_layout
+from cospec.rl.layouts import build_policy_layout, check_rl_config
 from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
 from cospec.rl.step_metrics import console_line, step_metrics
 from cospec.rollout.engine import Completion, GenerationEngine
@@ -61,19 +61,6 @@ class RolloutBatch:
     generate_seconds: float
     num_tokens: int
     stats: object | None = None
-
-
-def check_rl_config(cfg: RunConfig) -> None:
-    s = cfg.sampling
-    if s.top_k != 0 or s.top_p != 1.0:
-        raise ConfigError("sampling.top_k/top_p: must be off (0 / 1.0) for RL: the trainer's "
-                          "logprobs are of the temperature-scaled distribution only")
-    if s.temperature == 0:
-        raise ConfigError("sampling.temperature: must be > 0 for RL (greedy rollouts have no "
-                          "group variance to learn from)")
-    if cfg.grpo.autocast and cfg.parallel.pp > 1:
-        raise ConfigError("grpo.autocast: not supported with parallel.pp > 1 yet (the pipeline's "
-                          "stages run their forwards in model.dtype)")
 
 
 class GRPOTrainer:
@@ -147,7 +134,10 @@ class GRPOTrainer:
         s = self.cfg.sampling
         sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
         gen = torch.Generator(device=self.device).manual_seed(self.g.seed * 1_000_003 + self.step)
-        result = self.engine.generate(prompts, sampling, generator=gen)
+        try:
+            result = self.engine.generate(prompts, sampling, generator=gen)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"GRPO step {self.step + 1}, rollouts: {e}") from e
         return RolloutBatch(examples=examples, completions=result.completions, rewards=None,
                             advantages=None, generate_seconds=result.seconds,
                             num_tokens=result.num_tokens, stats=getattr(result, "stats", None))
@@ -303,10 +293,18 @@ class GRPOTrainer:
     def save(self) -> None:
         """Atomic checkpoint of the full policy and draft (the engine's synced copies when
         distributed) and the trainer state; written by the rollout rank."""
+        policy = self.policy if self.group is None else self.rollout_policy
+        draft = self.draft if self.group is None or self.group.pp == 1 else self.rollout_draft
+        bad = [f"the {name} ({', '.join(nonfinite_names(m.state_dict())[:3])})"
+               for name, m in (("policy", policy), ("draft", draft))
+               if m is not None and nonfinite_names(m.state_dict())] if self.is_rollout_rank else []
+        if self.group is not None:  # every rank stops alike (the rollout rank is rank 0)
+            bad = self.group.broadcast(bad)
+        if bad:  # never a checkpoint that --resume would refuse
+            raise NonFiniteError(f"GRPO step {self.step}: non-finite weights in "
+                                 f"{' and '.join(bad)}; not checkpointed")
         state = self.trainer_state()
         if self.is_rollout_rank:
-            policy = self.policy if self.group is None else self.rollout_policy
-            draft = self.draft if self.group is None or self.group.pp == 1 else self.rollout_draft
             save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=policy,
                             trainer_state=state, config=self.cfg.to_dict(), draft=draft,
                             keep=self.g.keep_checkpoints)
