@@ -233,3 +233,9 @@ def test_every_record_of_a_prompt_file_is_checked_against_the_context(tmp_path):
     data.check_room(82)
     with pytest.raises(ConfigError, match=r"max_seq_len=81: .* 81 tokens \(record 3000\), of all 3000"):
         data.check_room(81)
+
+
+def test_a_field_error_in_a_config_file_names_the_file(tmp_path):
+    (tmp_path / "run.yaml").write_text("grpo:\n  lr: -1\n")
+    with pytest.raises(ConfigError, match=r"config file .*run\.yaml: grpo\.lr"):
+        resolve("tiny", config_file=str(tmp_path / "run.yaml"))

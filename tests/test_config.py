@@ -7,8 +7,8 @@ import pytest
 from cospec.config import ConfigError, ModelConfig, RunConfig, apply, describe, parse_override, resolve
 
 
-def test_default_recipe_is_the_embedded_default():
-    assert resolve() == RunConfig()
+def test_default_recipe_is_the_embedded_default_logging_its_kl():
+    assert resolve() == apply(RunConfig(), {"grpo": {"log_kl": True}})
 
 
 def test_overrides_reach_nested_fields_and_are_typed():

@@ -139,11 +139,21 @@ def test_a_bf16_autocast_policy_step_keeps_fp32_weights_and_matches_the_fp32_ste
     assert any(not torch.equal(x, y) for x, y in zip(draft_before, mixed.draft.parameters()))
 
 
-def test_log_kl_off_with_a_kl_penalty_is_a_config_error():
-    from cospec.config import ConfigError
+def test_the_reference_forward_runs_only_for_a_penalty_or_on_request(tmp_path):
+    """grpo.log_kl is off by default (the embedded recipe asks for it); a KL penalty needs the
+    reference, so with kl_coef > 0 the KL is computed and logged whatever log_kl says."""
+    from cospec.config import RunConfig
 
-    with pytest.raises(ConfigError, match="grpo.log_kl"):
-        tiny_cfg("grpo.log_kl=false", "grpo.kl_coef=0.1")
+    assert RunConfig().grpo.log_kl is False and tiny_cfg().grpo.log_kl is True
+    torch.manual_seed(0)
+    policy = Transformer(tiny_cfg().model)
+    trainer = GRPOTrainer(tiny_cfg(f"out_dir={tmp_path}", "grpo.log_kl=false", "grpo.kl_coef=0.1"),
+                          policy, tensorboard=False)
+    assert trainer.reference is not None
+    batch = trainer.generate()
+    trainer.score(batch)
+    trainer.compute_advantages(batch)
+    assert math.isfinite(trainer.train_policy(batch)["kl_from_init"])
 
 
 # ----------------------------------------------------------------------------- speculative RL

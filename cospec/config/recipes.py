@@ -17,7 +17,11 @@ def resolve(recipe: str = "default", config_file: str | None = None,
         raise ConfigError(f"recipe: unknown {recipe!r} (known: {', '.join(RECIPES)})")
     cfg = RECIPES[recipe]()
     if config_file:
-        cfg = apply(cfg, load_file(config_file))
+        try:
+            cfg = apply(cfg, load_file(config_file))
+        except ConfigError as e:  # a field error found in the file: say which file
+            raise ConfigError(e if str(e).startswith("config file") else
+                              f"config file {config_file}: {e}") from e
     # All overrides are merged first and validated once, so cross-field checks see the final values
     # (sft.steps=10 sft.warmup_steps=2 must not fail on the intermediate steps=10, warmup=30).
     merged: dict[str, Any] = {}
@@ -27,8 +31,9 @@ def resolve(recipe: str = "default", config_file: str | None = None,
 
 
 def base() -> RunConfig:
-    """The embedded default: a ~5M parameter policy on the four-family suite, CPU-sized."""
-    return RunConfig()
+    """The embedded default: a ~5M parameter policy on the four-family suite, CPU-sized. It logs
+    the KL to the initial policy (grpo.log_kl): its report plots how far RL moves the policy."""
+    return apply(RunConfig(), {"grpo": {"log_kl": True}})
 
 
 def tiny() -> RunConfig:

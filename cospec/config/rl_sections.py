@@ -136,10 +136,11 @@ class GRPOConfig:
     #: mixed precision of the policy step's forwards: "" (off) or "bfloat16" (torch.autocast;
     #: weights and optimizer state stay model.dtype). Single-process and cp layouts
     autocast: str = ""
-    #: with kl_coef = 0, still forward the initial policy to log kl_from_init; false skips that
-    #: forward (a quarter of a policy step's compute) and logs kl_from_init as NaN. Single-process
-    #: and cp layouts (the pipeline always runs its reference pass)
-    log_kl: bool = True
+    #: with kl_coef = 0, still forward the initial policy to log kl_from_init (on request: that
+    #: forward is a quarter of a policy step's compute); off, kl_from_init is NaN. With
+    #: kl_coef > 0 the KL is computed and logged either way. Single-process and cp layouts (the
+    #: pipeline always runs its reference pass). The embedded default recipe asks for it
+    log_kl: bool = False
     #: optimizer steps per rollout batch (the batch is split into this many minibatches)
     micro_steps: int = 1
     #: gradient clipping by global norm (0 = off)
@@ -173,8 +174,6 @@ class GRPOConfig:
         _check(self.kl_coef >= 0, "grpo.kl_coef", "must be >= 0")
         _check(self.autocast in ("", "bfloat16"), "grpo.autocast",
                f"must be empty (off) or bfloat16, got {self.autocast!r}")
-        _check(self.log_kl or self.kl_coef == 0, "grpo.log_kl",
-               "may be false only with grpo.kl_coef=0 (the penalty needs the reference forward)")
         _check(self.grad_clip >= 0, "grpo.grad_clip", "must be >= 0")
         _check(self.micro_steps <= self.prompts_per_step * self.group_size, "grpo.micro_steps",
                "must not exceed the rollouts per step (prompts_per_step * group_size)")
