@@ -183,12 +183,9 @@ def _train(cfg, args, group) -> int:
     lead = group is None or group.is_rollout_rank
     rl_dir = Path(cfg.out_dir) / "rl"
     last = latest_checkpoint(rl_dir / "checkpoints")
-    if last is not None and not args.resume:
-        if not args.fresh:
-            raise ConfigError(f"out_dir: {rl_dir} holds checkpoints; pass --resume to continue "
-                              f"that run or --fresh to discard it")
-        if lead:
-            shutil.rmtree(rl_dir)
+    if last is not None and not args.resume and not args.fresh:
+        raise ConfigError(f"out_dir: {rl_dir} holds checkpoints; pass --resume to continue "
+                          f"that run or --fresh to discard it")
     if last is not None and args.resume:  # early, before minutes of loading; the trainer checks
         try:                                # again whichever checkpoint it resumes from
             check_resumable(cfg, read_json_object(last / "config.json", "the run config"))
@@ -211,6 +208,10 @@ def _train(cfg, args, group) -> int:
         dist.barrier()
         if not lead:
             start, draft = load_models()
+    if last is not None and not args.resume and lead:  # --fresh: discarded once the models load
+        shutil.rmtree(rl_dir)
+    if group is not None:
+        dist.barrier()
     trainer = GRPOTrainer(cfg, start.policy, draft=draft, tokenizer=start.tokenizer, group=group)
     history = trainer.run(resume=args.resume, progress=lead)
     if not lead:

@@ -239,3 +239,12 @@ def test_a_field_error_in_a_config_file_names_the_file(tmp_path):
     (tmp_path / "run.yaml").write_text("grpo:\n  lr: -1\n")
     with pytest.raises(ConfigError, match=r"config file .*run\.yaml: grpo\.lr"):
         resolve("tiny", config_file=str(tmp_path / "run.yaml"))
+
+
+def test_fresh_discards_the_old_run_only_once_the_new_one_has_its_models(tmp_path):
+    args = ["--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", "grpo.steps=1",
+            "grpo.eval_every=0", "sampling.max_new_tokens=4"]
+    assert main(["train", *args]) == 0
+    truncate(tmp_path / "sft" / "model.safetensors")
+    assert main(["train", "--fresh", *args]) == 2
+    assert (tmp_path / "rl" / "checkpoints" / "step_000001").is_dir()

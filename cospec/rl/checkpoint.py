@@ -136,10 +136,11 @@ def load_latest_good(root: str | Path, *, device=None, warn=print) -> tuple[Path
 
 
 def check_resumable(cfg: RunConfig, stored: dict) -> None:
-    """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow)."""
+    """ConfigError unless a checkpoint's config matches this one (grpo.steps may grow; out_dir
+    may differ: a run directory may be moved)."""
     now, defaults = cfg.to_dict(), RunConfig().to_dict()
     diffs = []
-    for section in sorted(set(now) | set(stored)):
+    for section in sorted((set(now) | set(stored)) - {"out_dir"}):
         a, b = now.get(section), stored.get(section)
         if isinstance(a, dict) and isinstance(b, dict):
             # A key the checkpoint lacks is a field added since: it ran with that field's default.
