@@ -212,3 +212,22 @@ def test_weights_gone_non_finite_after_an_applied_update_are_never_checkpointed(
     with pytest.raises(NonFiniteError, match=r"GRPO step 1: non-finite weights in the policy"):
         trainer.run(progress=False)
     assert latest_checkpoint(tmp_path / "rl" / "checkpoints") is None
+
+
+def test_the_cli_exits_3_when_a_run_diverges_and_says_where_it_left_the_state(tmp_path, capsys,
+                                                                               monkeypatch):
+    from cospec.cli import main
+    from cospec.rl.trainer import GRPOTrainer
+
+    advantages = GRPOTrainer.compute_advantages
+
+    def nan_advantages(self, batch):
+        advantages(self, batch)
+        batch.advantages[0] = float("nan")
+
+    monkeypatch.setattr(GRPOTrainer, "compute_advantages", nan_advantages)
+    assert main(["train", "--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", "grpo.steps=2",
+                 "grpo.eval_every=0", "sampling.max_new_tokens=4"]) == 3
+    err = capsys.readouterr().err
+    assert "cospec: stopped: GRPO step 1, minibatch 1 of 1: policy update: the gradient norm is nan" in err
+    assert "state before the failed step (step 0) is checkpointed" in err
