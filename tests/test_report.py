@@ -51,14 +51,39 @@ def _chromium():
 
 
 @pytest.mark.skipif(_chromium() is None, reason="Chromium not installed (.ci/run installs it)")
-def test_every_figure_loads_in_headless_chromium(report):
+def test_every_figure_loads_and_the_page_fits_1280_px_in_headless_chromium(report):
     dom = subprocess.run([_chromium(), "--headless", "--no-sandbox", "--disable-gpu",
-                          "--virtual-time-budget=5000", "--dump-dom", report.as_uri()],
-                         capture_output=True, text=True, timeout=120).stdout
-    total = re.search(r'data-images-total="(\d+)"', dom)
-    loaded = re.search(r'data-images-loaded="(\d+)"', dom)
-    assert total and loaded, dom[:500]
-    assert int(total.group(1)) == len(FIGURES) == int(loaded.group(1))
+                          "--window-size=1280,900", "--virtual-time-budget=5000", "--dump-dom",
+                          report.as_uri()], capture_output=True, text=True, timeout=120).stdout
+    found = {k: re.search(rf'data-{k}="(\d+)"', dom)
+             for k in ("images-total", "images-loaded", "page-width", "window-width")}
+    assert all(found.values()), dom[:500]
+    n = {k: int(m.group(1)) for k, m in found.items()}
+    assert n["images-total"] == len(FIGURES) == n["images-loaded"]
+    assert n["window-width"] == 1280 and n["page-width"] <= 1280, n  # no horizontal scrollbar
+
+
+def test_the_first_screen_says_in_words_what_speculation_gave_and_cost(report):
+    page = report.read_text()
+    head = page[page.index('<ul class="headline">'):page.index("<h2>Summary</h2>")]
+    for mode in ("frozen", "cotrain-ce"):
+        assert f"<b>{mode}</b>: rollouts " in head
+    assert head.count("speculation <b>paid</b>") + head.count("speculation <b>did not pay</b>") == 2
+    assert "of its tau" in head and "Mean reward over the steps: none" in head
+    assert "training the draft took" in head and "the draft was not trained" in head  # cotrain, frozen
+    table = page[page.index('<table class="summary">'):page.index("</table>")]
+    assert "<th>Tau kept</th>" in table and "reward_first" not in table  # readable headers
+
+
+def test_the_reward_check_flags_runs_apart_beyond_noise():
+    from cospec.metrics.report_page import reward_check
+
+    def run(rewards):
+        return [{"reward": r} for r in rewards]
+
+    near = reward_check({"none": run([0.5, 0.6, 0.4, 0.5]), "frozen": run([0.45, 0.55, 0.5, 0.6])})
+    far = reward_check({"none": run([0.5, 0.52, 0.48, 0.5]), "frozen": run([0.9, 0.92, 0.88, 0.9])})
+    assert "within sampling noise" in near and "look into it" in far
 
 
 def test_the_summary_compares_rollouts_per_generated_token_as_well_as_per_step():

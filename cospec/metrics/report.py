@@ -1,5 +1,7 @@
 """`cospec report RUN_DIR...`: one self-contained HTML page (and its PNGs) from runs' JSONL logs.
 
+This module makes the figures and the summary data; `cospec.metrics.report_page` the HTML.
+
 Each RUN_DIR holds a ``metrics.jsonl`` written by the GRPO trainer (`cospec train`, or one mode of
 `cospec experiment stale-draft`); its name labels the run. The page opens from disk in a browser
 without a server: figures are PNGs embedded as data URIs (and also written beside the page), the
@@ -13,13 +15,12 @@ position; step-time split; rollout speedup vs batch size.
 
 from __future__ import annotations
 
-import base64
-import html
 import io
 import json
 from functools import partial
 from pathlib import Path
 
+from cospec.metrics.report_page import page
 from cospec.metrics.run_log import read_jsonl
 
 COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
@@ -54,9 +55,14 @@ def _figure(draw, figsize=(6, 3.6)) -> bytes:
     draw(axes)
     fig.tight_layout()
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")  # legends sit outside the axes
     plt.close(fig)
     return buf.getvalue()
+
+
+def _legend(ax) -> None:
+    """The legend beside the axes, on the right: it covers no data, however the lines run."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
 
 
 def make_figures(runs: dict[str, list[dict]], bench: dict | None = None) -> dict[str, bytes]:
@@ -79,7 +85,7 @@ def _draw_reward(runs: dict[str, list[dict]], colors: dict[str, str], ax) -> Non
     for n, h in runs.items():
         ax.plot([r["step"] for r in h], [r["reward"] for r in h], label=n, color=colors[n], alpha=0.8)
     ax.set(xlabel="RL step", ylabel="mean reward", title="Reward (speculation is lossless)")
-    ax.legend()
+    _legend(ax)
 
 
 def _draw_tau_and_kl(runs: dict[str, list[dict]], spec: dict[str, list[dict]],
@@ -90,8 +96,7 @@ def _draw_tau_and_kl(runs: dict[str, list[dict]], spec: dict[str, list[dict]],
         axes[1].plot([r["step"] for r in h], [r["kl_from_init"] for r in h], label=n, color=colors[n])
     axes[0].set(xlabel="RL step", ylabel="tau", title="Accept length (tokens per policy forward)")
     axes[1].set(xlabel="RL step", ylabel="KL per token", title="Policy KL from its start")
-    for ax in axes:
-        ax.legend()
+    _legend(axes[1])  # one legend for both panels (same runs, same colours), right of the pair
 
 
 def _acceptance_figures(spec: dict[str, list[dict]], colors: dict[str, str]) -> dict[str, bytes]:
@@ -134,7 +139,7 @@ def _draw_grouped_bars(values_by_run: dict[str, list[float | None]], labels: lis
         ax.bar(xs, [v or 0.0 for v in vals], width=width, label=n, color=colors[n])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(labels))], labels)
     ax.set(title=title, ylabel=ylabel, xlabel=xlabel)
-    ax.legend()
+    _legend(ax)
 
 
 def _draw_step_time_split(runs: dict[str, list[dict]], ax) -> None:
@@ -145,7 +150,7 @@ def _draw_step_time_split(runs: dict[str, list[dict]], ax) -> None:
         ax.bar(list(runs), vals, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, vals)]
     ax.set(ylabel="seconds per RL step", title="Step time split")
-    ax.legend()
+    _legend(ax)
 
 
 def _draw_rollout_speedup(bench: dict, ax) -> None:
@@ -157,7 +162,7 @@ def _draw_rollout_speedup(bench: dict, ax) -> None:
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
     ax.set(xlabel="batch size", ylabel="tokens/s vs plain", title="Rollout speedup vs batch size")
-    ax.legend()
+    _legend(ax)
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
@@ -203,12 +208,6 @@ def _tokens_per_second(hist: list[dict]) -> float | None:
     return sum(m["rollout_tok_s"] * m["time"]["generate"] for m in steps) / seconds
 
 
-def _cell(v) -> str:
-    if v is None:
-        return "-"
-    return f"{v:.3f}" if isinstance(v, float) else html.escape(str(v))
-
-
 def write_report(run_dirs: list[str | Path], out_dir: str | Path, *, bench_json: str | Path | None = None,
                  config: dict | None = None, commands: list[str] | None = None) -> Path:
     """Write out_dir/report.html and the PNGs beside it; returns the HTML path."""
@@ -219,39 +218,6 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, *, bench_json:
     figs = make_figures(runs, bench)
     for name, png in figs.items():
         (out / name).write_bytes(png)
-    rows = [{"run": name, **row} for name, row in summarise(runs).items()]
-    cols = list(dict.fromkeys(c for row in rows for c in row))
-    table = "<table><tr>" + "".join(f"<th>{c}</th>" for c in cols) + "</tr>" + "".join(
-        "<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows) + "</table>"
-    images = "\n".join(
-        f'<figure><img alt="{n}" src="data:image/png;base64,{base64.b64encode(p).decode()}">'
-        f"<figcaption>{n}</figcaption></figure>" for n, p in figs.items())
-    extra = ""
-    if commands:
-        extra += "<h2>Commands</h2><pre>" + html.escape("\n".join(commands)) + "</pre>"
-    if config:
-        extra += "<h2>Config</h2><pre>" + html.escape(json.dumps(config, indent=2)) + "</pre>"
-    page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>cospec report</title>
-<style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}}figure{{display:inline-block;margin:8px}}
-img{{max-width:100%}}</style></head>
-<body><h1>cospec: speculative rollouts with a co-trained draft</h1>
-<p>Runs: {html.escape(", ".join(runs))}. Speculation is lossless, so the reward curves agree up to
-sampling noise; tau shows how fresh the draft is as the policy moves (its KL from the start).</p>
-<h2>Summary</h2>{table}
-<h2>Figures</h2>{images}
-{extra}
-<script>
-// For headless checks: how many figures decoded.
-window.addEventListener("load", () => {{
-  const imgs = [...document.images];
-  document.body.dataset.imagesTotal = imgs.length;
-  document.body.dataset.imagesLoaded = imgs.filter(i => i.complete && i.naturalWidth > 0).length;
-}});
-</script>
-</body></html>
-"""
     path = out / "report.html"
-    path.write_text(page)
+    path.write_text(page(runs, summarise(runs), figs, config=config, commands=commands))
     return path
