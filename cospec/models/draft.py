@@ -163,12 +163,16 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"draft taps layers {list(self.tap_layers)} but the policy has "
                              f"{policy_cfg.num_layers} layers")
 
-    def project(self, taps: dict[int, Tensor]) -> Tensor:
-        """fc(concat of the tapped policy features in tap_layers order): [B, T, C]."""
+    def concat_taps(self, taps: dict[int, Tensor]) -> Tensor:
+        """The tapped policy features side by side, in tap_layers order: [B, T, 3C]."""
         missing = [t for t in self.tap_layers if t not in taps]
         if missing:
             raise ValueError(f"policy features of layers {missing} were not tapped")
-        return self.fc(torch.cat([taps[t] for t in self.tap_layers], dim=-1))
+        return torch.cat([taps[t] for t in self.tap_layers], dim=-1)
+
+    def project(self, taps: dict[int, Tensor]) -> Tensor:
+        """fc(concat of the tapped policy features in tap_layers order): [B, T, C]."""
+        return self.fc(self.concat_taps(taps))
 
     def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
                 positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,

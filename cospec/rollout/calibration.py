@@ -54,15 +54,16 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
             cost.observe_verify(N, T, best)
         for T in range(1, G + 2):
             best = float("inf")
-            feats = (None if engine.feat_BSF is None
-                     else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
-                                      dtype=engine.feat_BSF.dtype))
+            stored = (None if engine.feat_BSF is None
+                      else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
+                                       dtype=engine.feat_BSF.dtype))
             for _ in range(repeats + 1):
                 engine.draft_cache.reset()
                 engine.draft_cache.advance(context)
                 t0 = synced_time(engine.seq_BS)
+                # as a catch-up call: the stored features projected, then the draft's forward
                 logits, _ = engine.drafter(engine.draft_cache, torch.full((N, T), 4, device=device),
-                                           feats, rows_t)
+                                           engine.drafter.project(stored), rows_t)
                 sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # the draw of a step
                 best = min(best, synced_time(engine.seq_BS) - t0)
             cost.observe_draft(N, T, best)

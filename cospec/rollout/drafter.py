@@ -11,7 +11,12 @@ seen yet in one call ("catch-up", ragged across rows), then one entry per furthe
 A drafter:
 - ``tap_layers``: the policy layers whose outputs the verify pass must return (empty: none);
 - ``feature_size``: width of the stored per-entry feature (0: the draft reads none);
-- ``features(taps)``: policy taps [N, T, C] per layer -> per-entry features [N, T, F] (or None);
+- ``features(taps)``: policy taps [N, T, C] per layer -> stored per-entry features [N, T, F] (or
+  None): for EAGLE-3 the taps side by side, F = 3C, *not yet projected*;
+- ``project(stored)``: stored features [N, T, F] -> what the draft reads [N, T, C]. Apart from
+  `features` because most verified positions are never fed to the draft (rejected drafts) or not
+  soon (steps at gamma 0): the projection (a 3C x C matmul per entry, ~6% of the embedded policy's
+  forward) runs at catch-up, on the entries the draft reads, once each;
 - ``new_cache(batch_size, capacity)``: the draft's own KV cache;
 - ``vocab_ids``: the policy ids of the draft head's columns (EAGLE-3's reduced draft vocabulary),
   or None when the head covers the whole vocabulary; q is zero off the head;
@@ -37,11 +42,14 @@ class Eagle3Drafter:
             draft.check_policy(policy_cfg)
         self.model = draft
         self.tap_layers = draft.tap_layers
-        self.feature_size = draft.config.hidden_size
+        self.feature_size = len(draft.tap_layers) * draft.policy_config.hidden_size
         self.vocab_ids = draft.vocab_ids
 
     def features(self, taps: dict[int, Tensor]) -> Tensor:
-        return self.model.project(taps)
+        return self.model.concat_taps(taps)
+
+    def project(self, stored_NTF: Tensor) -> Tensor:
+        return self.model.fc(stored_NTF)
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.model, batch_size, capacity)
@@ -70,6 +78,9 @@ class LMDrafter:
         self.model = lm
 
     def features(self, taps: dict[int, Tensor]) -> None:
+        return None
+
+    def project(self, stored: None) -> None:
         return None
 
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:

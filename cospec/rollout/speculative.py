@@ -19,8 +19,9 @@ With G = 0 (the adaptive controller's choice, `cospec.rollout.adaptive`) a step 
 one policy forward of 1 token per row, no draft call; the draft catches up when drafting resumes.
 
 Per-slot state: ``seq_BS`` the row's tokens (prompt + response; seq[n] is the pending token, sampled
-but not yet fed to the policy), ``feat_BSF`` the draft feature of each entry (feat[t] = projection
-of the policy's taps at position t-1, feat[0] = 0), host-side ``n`` (policy cache length) and
+but not yet fed to the policy), ``feat_BSF`` the draft feature of each entry (feat[t] = the policy's
+taps at position t-1 side by side, projected by the draft only when an entry is fed to it;
+feat[0] = 0), host-side ``n`` (policy cache length) and
 ``e`` (entries in the draft's cache). Caches get G spare slots beyond the capacity (the verify
 forward writes up to G+1 tokens past the committed length); the draft's cache is twice as long,
 since a ragged catch-up writes padding past short rows.
@@ -229,15 +230,8 @@ class SpeculativeEngine(GenerationEngine):
             self.feat_BSF[rows_N, 0] = 0
             self.feat_BSF[rows_N, 1:P + 1] = self.drafter.features(out.taps).to(self.feat_BSF.dtype)
         self.draft_cache.reset(rows_N)
-        self.draft_cache.expect_longest(0)
-        # Draft prefill: the new rows' prompt entries 0..P-1 now, in a call of their own, so that
-        # the next step's catch-up is as narrow as the accepted tokens (a catch-up is padded to its
-        # widest row: a prompt there would make every active row pay for it).
-        idx_NP = torch.minimum(torch.arange(P, device=device)[None], lengths_N[:, None] - 1)
-        feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NP]
-        self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N, lengths_N)
-        for s, n in zip(free, lengths):
-            self.n[s], self.e[s] = n, n
+        for s, n in zip(free, lengths):  # the draft has seen none of the row: `_draft_prefill`
+            self.n[s], self.e[s] = n, 0
         ids, lps = host_rows(ids_N[:, None], logprobs_N[:, None])  # the refill's one host read
         self._record(free, ids, lps, sampling, done, on_finish)
 
@@ -296,16 +290,37 @@ class SpeculativeEngine(GenerationEngine):
         return (f"policy forward {self.num_forwards + 1} of this generate call (gamma {gamma}, "
                 f"draft: {type(self.drafter).__name__})")
 
+    def _draft_prefill(self, rows: list[int]) -> None:
+        """Feed the draft every entry but the pending one of rows it has not seen at all (new
+        rows), in a call of their own: not at refill, so that steps at gamma 0 are the plain
+        engine's steps (no draft work for rows that may never be drafted for), and not in the
+        catch-up, which is padded to its widest row (a prompt there would make every row pay)."""
+        device = self.seq_BS.device
+        rows_N = torch.tensor(rows, device=device)
+        lengths_N = torch.tensor([self.n[s] for s in rows], device=device)
+        P = max(self.n[s] for s in rows)
+        idx_NP = torch.minimum(torch.arange(P, device=device)[None], lengths_N[:, None] - 1)
+        feats = (None if self.feat_BSF is None
+                 else self.drafter.project(self.feat_BSF[rows_N[:, None], idx_NP]))
+        self.draft_cache.expect_longest(0)  # the rows were emptied at refill
+        self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N, lengths_N)
+        for s in rows:
+            self.e[s] = self.n[s]
+
     def _draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
         """Catch the draft up on every unseen entry, then draft `gamma` tokens per row.
         Returns (drafts long [N, G] in policy ids, q: `DenseProbs` or `HeadProbs` [N, G, V])."""
         device = self.seq_BS.device
+        unseen = [s for s in active if self.e[s] == 0]
+        if unseen:  # a one-off per row, like the refill's prefill (not a cost of the step)
+            self._draft_prefill(unseen)
         e_N = torch.tensor([self.e[s] for s in active], device=device)
         width_N = n_N - e_N + 1  # entries e..n, n being the pending token's
         W = max(self.n[s] - self.e[s] + 1 for s in active)
         self._draft_start, self._catch_up_width = synced_time(self.seq_BS), W
         idx_NW = torch.minimum(e_N[:, None] + torch.arange(W, device=device), n_N[:, None])
-        feats = None if self.feat_BSF is None else self.feat_BSF[rows_N[:, None], idx_NW]
+        feats = (None if self.feat_BSF is None
+                 else self.drafter.project(self.feat_BSF[rows_N[:, None], idx_NW]))
         self.draft_cache.expect_longest(max(self.e[s] for s in active))
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
                                      rows_t, width_N)
