@@ -63,13 +63,25 @@ def num_step_tokens(mbs: list[Microbatch]) -> int:
 
 
 class OpRecorder:
-    """Logs (group name, op, peer rank, shape) of every isend/irecv/send/recv this rank issues."""
+    """Logs (group name, op, peer rank, shape) of every isend/irecv/send/recv this rank issues,
+    alone or in a batch_isend_irecv."""
 
     def __init__(self, groups: dict):
         self.ops: list[tuple] = []
         self._names = [(g, name) for name, g in groups.items()]
         for op in ("isend", "irecv", "send", "recv"):
             setattr(dist, op, self._wrap(op, getattr(dist, op)))
+        dist.batch_isend_irecv = self._wrap_batch(dist.batch_isend_irecv)
+
+    def _wrap_batch(self, fn):
+        """batch_isend_irecv: each op of the batch logged as an isend or an irecv."""
+        def recorded(ops):
+            for p2p in ops:
+                name = next((n for g, n in self._names if g is p2p.group), "other")
+                kind = "isend" if p2p.op.__name__ == "isend" else "irecv"
+                self.ops.append((name, kind, p2p.peer, tuple(p2p.tensor.shape)))
+            return fn(ops)
+        return recorded
 
     def _wrap(self, op: str, fn):
         def recorded(tensor, peer, group=None, **kw):
@@ -131,6 +143,7 @@ def _run(policy, mbs, spec: RunSpec, rank: int, layers, pipe_group, tap_group) -
             draft.zero_grad(set_to_none=True)
         loss = runner.run(mbs, step=k)
     return {"loss": loss, "grads": _grads(model), "trace": runner.transport.trace,
+            "batches": runner.transport.batches,
             "draft_grads": _grads(draft) if draft is not None else None,
             "draft_loss": (sum(runner.on_last_backward.losses[-len(mbs):]) / len(mbs)
                            if draft is not None else None),

@@ -66,6 +66,10 @@ class BenchSettings:
 class BlockingTaps:
     """The baseline transport: blocking send/recv of the taps after the forward, on the tap group."""
 
+    #: its blocking sends wait for the draft stage, which first waits for this stage's activation:
+    #: the pipeline must have posted that send before `after_forward` (see `PipelineStep`)
+    sends_in_after_forward = True
+
     def __init__(self, group, *, stage: int, stage_layers: list[range], tap_layers, hidden_size: int,
                  dtype: torch.dtype = torch.float32):
         self.owner = tap_owners(tap_layers, stage_layers)

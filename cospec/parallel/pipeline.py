@@ -16,10 +16,16 @@ The cost: about 100 lines that pipelining would give, and no interleaved or zero
 
 Every rank holds the step's plan (the list of `Microbatch`, a few KB of token ids), so each stage
 knows every microbatch's T without a shape handshake; only the first stage reads the tokens and only
-the last the targets. Activations [1, T, C] go s -> s+1 and their gradients s+1 -> s: non-blocking
-sends (waited at the end of the step), blocking receives, both in schedule order. No
-batch_isend_irecv: gloo runs it as separate operations anyway, and single ones keep the order
-explicit and recordable.
+the last the targets. Activations [1, T, C] go s -> s+1 and their gradients s+1 -> s, in schedule
+order; sends are waited at the end of the step, receives at once.
+
+Safe on NCCL: in the 1F1B steady state two neighbours can each send before they receive (stage s
+sends activation m+1 and then waits for gradient m; stage s+1 sends gradient m and then waits for
+activation m+1). gloo buffers the sends; NCCL runs a communicator's point-to-point operations in
+order, so both sends would wait for receives queued behind them: a deadlock. So a send that the
+stage's next action follows with a receive is not posted alone: it is posted with that receive in
+one `batch_isend_irecv` (NCCL groups them, and both progress), which costs no time since nothing
+runs between them. A send that no receive follows at once is posted right away.
 
 Schedules (stage s of P, M microbatches; F = forward, B = backward):
 - GPipe (Huang et al. 1811.06965): F0 .. F(M-1), then B0 .. B(M-1).
@@ -134,29 +140,57 @@ def schedule_actions(kind: str, stage: int, num_stages: int, num_microbatches: i
     return actions + [("B", m) for m in range(M - warmup, M)]
 
 
+#: the point-to-point ops `P2POp` accepts (torch checks the op is one of these two functions)
+_ISEND, _IRECV = dist.isend, dist.irecv
+
+
 class PipeTransport:
     """Every operation on the pipeline group goes through here and is recorded in ``trace`` as
-    (op, kind, peer stage, microbatch, shape)."""
+    (op, kind, peer stage, microbatch, shape), in program order; ``batches`` records the same
+    operations as they were posted together (each a list of trace entries)."""
 
     def __init__(self, group, stage: int, num_stages: int):
         self.group, self.stage, self.num_stages = group, stage, num_stages
         self.ranks = dist.get_process_group_ranks(group) if num_stages > 1 else [0]
+        if num_stages > 1:
+            # NCCL: a group's first batch_isend_irecv must involve all its ranks unless a
+            # collective has set the communicator up; this barrier is that collective.
+            dist.barrier(group=group)
         self.trace: list[tuple] = []
-        self._sends: list = []
+        self._sends: list = []  # posted, waited at `finish`
+        self._pending: list = []  # queued, posted with the next receive (see the module docstring)
+        self._pending_trace: list = []
+        self.batches: list[list[tuple]] = []
 
     def send(self, tensor: Tensor, to_stage: int, kind: str, m: int) -> None:
+        """Queue a send; it is posted by the next `recv` (in one batch with it) or `flush`."""
         self.trace.append(("send", kind, to_stage, m, tuple(tensor.shape)))
-        self._sends.append(dist.isend(tensor.detach().contiguous(), self.ranks[to_stage],
-                                      group=self.group))
+        self._pending_trace.append(self.trace[-1])
+        self._pending.append(dist.P2POp(_ISEND, tensor.detach().contiguous(),
+                                        self.ranks[to_stage], self.group))
 
     def recv(self, like: Tensor, shape: tuple, from_stage: int, kind: str, m: int) -> Tensor:
+        """Receive (waited here), posted together with the queued sends."""
         self.trace.append(("recv", kind, from_stage, m, tuple(shape)))
         buf = torch.empty(shape, dtype=like.dtype, device=like.device)
-        dist.recv(buf, self.ranks[from_stage], group=self.group)
+        works = dist.batch_isend_irecv(
+            self._pending + [dist.P2POp(_IRECV, buf, self.ranks[from_stage], self.group)])
+        self.batches.append(self._pending_trace + [self.trace[-1]])
+        self._sends += works[:-1]
+        self._pending, self._pending_trace = [], []
+        works[-1].wait()
         return buf
+
+    def flush(self) -> None:
+        """Post the queued sends now (no receive follows them at once)."""
+        if self._pending:
+            self._sends += dist.batch_isend_irecv(self._pending)
+            self.batches.append(self._pending_trace)
+            self._pending, self._pending_trace = [], []
 
     def finish(self) -> None:
         """Wait for this step's sends: every one has its receive in the peer's schedule."""
+        self.flush()
         for work in self._sends:
             work.wait()
         self._sends.clear()
@@ -168,7 +202,8 @@ class PipelineStep:
     last stage (None elsewhere) and leaves the gradients in ``model``.
 
     taps: a TapChannel (or any object with begin_step / set_microbatch / after_forward / end_step),
-    already attached to ``model``; None runs without taps. on_last_backward(mb, logits_TV, M): called
+    already attached to ``model``; None runs without taps. One whose ``after_forward`` blocks on a
+    peer (``sends_in_after_forward = True``) gets the stage's activation send posted first. on_last_backward(mb, logits_TV, M): called
     on the last stage right after microbatch mb's backward, with the detached logits and the
     step's number of microbatches (the draft's co-training step, `DraftCoTraining`).
     """
@@ -192,8 +227,14 @@ class PipelineStep:
                                  f"in order (they are the taps' stamps)")
         if self.taps is not None:
             self.taps.begin_step(step, [len(mb.tokens) for mb in microbatches])
-        for op, m in schedule_actions(self.schedule, t.stage, t.num_stages, len(microbatches)):
+        actions = schedule_actions(self.schedule, t.stage, t.num_stages, len(microbatches))
+        for i, (op, m) in enumerate(actions):
             (self._forward if op == "F" else self._backward)(microbatches[m])
+            following = actions[i + 1][0] if i + 1 < len(actions) else None
+            # The next action starts with a receive (a forward off the first stage, a backward off
+            # the last): the queued send goes with it; otherwise it goes now.
+            if not ((following == "F" and not self.first) or (following == "B" and not self.last)):
+                t.flush()
         t.finish()
         if self.taps is not None:
             self.taps.end_step()
@@ -220,6 +261,8 @@ class PipelineStep:
             t.send(out.hidden, t.stage + 1, "act", m)
             self._saved[m] = (x, out.hidden, None)
         if self.taps is not None:
+            if getattr(self.taps, "sends_in_after_forward", False):
+                t.flush()  # a transport that blocks there needs the activation on its way
             self.taps.after_forward(m)
 
     def _backward(self, mb: Microbatch) -> None:
