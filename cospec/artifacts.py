@@ -82,13 +82,20 @@ def differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     return out
 
 
+def read_stamp(path: Path) -> dict | None:
+    """The artifact's made_by.json ({"fingerprint", "fields"}), or None when it has none readable."""
+    try:
+        stamp = json.loads((Path(path) / MADE_BY).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(stamp, dict) and isinstance(stamp.get("fields"), dict)
+    return stamp if ok else None
+
+
 def made_by_fields(path: Path) -> dict | None:
     """The fields stamped on the artifact at `path`, or None without a readable stamp."""
-    try:
-        fields = json.loads((Path(path) / MADE_BY).read_text()).get("fields")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return fields if isinstance(fields, dict) else None
+    stamp = read_stamp(path)
+    return stamp["fields"] if stamp else None
 
 
 def starting_policy_fields(cfg: RunConfig) -> dict:
@@ -105,17 +112,11 @@ def reuse_decision(path: Path, fields: dict, *, reuse: bool = False, what: str,
     True on a matching fingerprint, or when `reuse` overrides a mismatch; False (rebuild) otherwise.
     Says which, and why, on stdout."""
     path = Path(path)
-    stamp = path / MADE_BY
-    saved = None
-    if stamp.is_file():
-        try:
-            saved = json.loads(stamp.read_text())
-        except (OSError, json.JSONDecodeError):
-            saved = None
-    if isinstance(saved, dict) and saved.get("fingerprint") == fingerprint(fields):
+    saved = read_stamp(path)
+    if saved is not None and saved.get("fingerprint") == fingerprint(fields):
         print(f"reusing {what} {path}")
         return True
-    if not isinstance(saved, dict) or not isinstance(saved.get("fields"), dict):
+    if saved is None:
         why = f"has no readable {MADE_BY} (made by an older cospec, or damaged)"
     else:
         diff = differences(saved["fields"], json.loads(json.dumps(fields, default=list)))

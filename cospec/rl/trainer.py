@@ -295,9 +295,11 @@ class GRPOTrainer:
         distributed) and the trainer state; written by the rollout rank."""
         policy = self.policy if self.group is None else self.rollout_policy
         draft = self.draft if self.group is None or self.group.pp == 1 else self.rollout_draft
-        bad = [f"the {name} ({', '.join(nonfinite_names(m.state_dict())[:3])})"
-               for name, m in (("policy", policy), ("draft", draft))
-               if m is not None and nonfinite_names(m.state_dict())] if self.is_rollout_rank else []
+        bad = []
+        for name, model in (("policy", policy), ("draft", draft)) if self.is_rollout_rank else ():
+            tensors = nonfinite_names(model.state_dict()) if model is not None else []
+            if tensors:
+                bad.append(f"the {name} ({', '.join(tensors[:3])})")
         if self.group is not None:  # every rank stops alike (the rollout rank is rank 0)
             bad = self.group.broadcast(bad)
         if bad:  # never a checkpoint that --resume would refuse
