@@ -23,13 +23,14 @@ from cospec.evaluate import measure_speculation, print_accuracy
 from cospec.models.integrity import CheckpointError, NonFiniteError
 
 
-def _config_args(p: argparse.ArgumentParser) -> None:
+def _config_args(p: argparse.ArgumentParser, *, reuse: bool = True) -> None:
     p.add_argument("--recipe", default="default", help=f"named recipe ({', '.join(config_mod.RECIPES)})")
     p.add_argument("--config", dest="config_file", help="YAML/TOML/JSON file laid over the recipe")
     p.add_argument("overrides", nargs="*", metavar="key.sub=value", help="overrides, applied last")
-    p.add_argument("--reuse", action="store_true",
-                   help="reuse the SFT policy and drafts in out_dir even when they were made with "
-                        "other settings (default: rebuild them, saying which settings differ)")
+    if reuse:  # the commands that load the SFT policy or the drafts out_dir keeps
+        p.add_argument("--reuse", action="store_true",
+                       help="reuse the SFT policy and drafts in out_dir even when they were made "
+                            "with other settings (default: rebuild them, naming the settings)")
 
 
 def _resolve(args, *, checkpoint_required: bool = True) -> RunConfig:
@@ -237,7 +238,8 @@ def cmd_experiment(args) -> int:
     unknown = [m for m in modes if m not in stale_draft.MODES]
     if unknown:
         raise ConfigError(f"--modes: unknown {unknown} (known: {', '.join(stale_draft.MODES)})")
-    stale_draft.run_cli(cfg, modes=modes, out_dir=args.out, adaptive=args.adaptive)
+    stale_draft.run_cli(cfg, modes=modes, out_dir=args.out, adaptive=args.adaptive,
+                        reuse=args.reuse)
     return 0
 
 
@@ -250,7 +252,8 @@ def cmd_bench(args) -> int:
         cfg = _resolve(args)
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
         rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
-                        json_path=args.json, hf=not args.no_hf, workload=args.workload)
+                        json_path=args.json, hf=not args.no_hf, workload=args.workload,
+                        reuse=args.reuse)
         return 0
     if args.what == "generation":
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
@@ -275,14 +278,15 @@ def cmd_bench(args) -> int:
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
 
-def _command(sub, name: str, fn, help_: str, *, config: bool = True,
+def _command(sub, name: str, fn, help_: str, *, config: bool = True, reuse: bool = True,
              what: list[str] | None = None) -> argparse.ArgumentParser:
-    """A subcommand calling `fn`; ``what``: its first positional's choices (before the overrides)."""
+    """A subcommand calling `fn`; ``what``: its first positional's choices (before the overrides);
+    ``reuse``: it offers --reuse (it loads artifacts out_dir keeps)."""
     c = sub.add_parser(name, help=help_)
     if what:
         c.add_argument("what", choices=what)
     if config:
-        _config_args(c)
+        _config_args(c, reuse=reuse)
     c.set_defaults(fn=fn)
     return c
 
@@ -290,9 +294,10 @@ def _command(sub, name: str, fn, help_: str, *, config: bool = True,
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cospec", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
-    c = _command(sub, "config", cmd_config, "print the resolved config")
+    c = _command(sub, "config", cmd_config, "print the resolved config", reuse=False)
     c.add_argument("--describe", action="store_true", help="also list every field with its doc")
-    _command(sub, "sft", cmd_sft, "supervised fine-tuning of the policy on the task suite")
+    _command(sub, "sft", cmd_sft, "supervised fine-tuning of the policy on the task suite",
+             reuse=False)
     ev = _command(sub, "eval", cmd_eval, "accuracy and response lengths by prompt family and temperature")
     ev.add_argument("--temperatures", help="comma-separated (default: sampling.temperature)")
     ev.add_argument("--prompts-per-type", type=int, default=32, help="held-out prompts per family")

@@ -203,9 +203,10 @@ class _BenchInputs:
 
 
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
-            hf: bool = True, workload: str = "tasks") -> dict:
-    """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure."""
-    run = _load_inputs(cfg, quick=quick, workload=workload)
+            hf: bool = True, workload: str = "tasks", reuse: bool = False) -> dict:
+    """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure.
+    ``reuse``: keep them even when made with other settings (`cospec.artifacts`)."""
+    run = _load_inputs(cfg, quick=quick, workload=workload, reuse=reuse)
     rows = []
     for B in batch_sizes:
         prompts = run.prompts(max(16 if quick else 24, 2 * B) // (2 if quick else 1))
@@ -216,7 +217,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     if hf and run.cfg.model.path:
         out.update(_hf_plain_on_the_checkpoint(run))
     elif hf:
-        out.update(_hf_assisted_with_a_draft_lm(run, rows))
+        out.update(_hf_assisted_with_a_draft_lm(run, rows, reuse=reuse))
     print()
     print(format_table(rows))
     out["meta"] = _meta(run)
@@ -226,7 +227,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     return out
 
 
-def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str) -> _BenchInputs:
+def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool) -> _BenchInputs:
     """The starting policy and its EAGLE-3 draft (trained or reused), at the rollout dtype; prints
     what is measured."""
     from cospec.artifacts import load_or_train_draft, load_policy, pick_device
@@ -234,9 +235,10 @@ def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str) -> _BenchInputs:
     from cospec.models.loading import inference_copy
 
     device = pick_device(cfg.device)
-    start = load_policy(cfg, device)
+    start = load_policy(cfg, device, reuse=reuse)
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
-    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data)
+    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data,
+                                   reuse=reuse)
     if cfg.rollout.dtype:  # every method, HF's included, decodes at the rollout dtype
         policy, eagle = inference_copy(policy, cfg.rollout.dtype), inference_copy(eagle, cfg.rollout.dtype)
         cfg = apply(cfg, {"model": {"dtype": cfg.rollout.dtype}})
@@ -272,7 +274,7 @@ def _hf_plain_on_the_checkpoint(run: _BenchInputs) -> dict:
             "cospec_same_prompts_plain_tok_s": same["plain_tok_s"]}
 
 
-def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict]) -> dict:
+def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict], *, reuse: bool) -> dict:
     """Batch 1 on the embedded model: HF's assisted generation with a standalone draft LM (trained
     or reused) beside HF's plain sampling and cospec's engines with the same draft LM; ``rows``
     gives cospec's EAGLE-3 figure at batch 1 to compare."""
@@ -282,7 +284,7 @@ def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict]) -> dict:
     from cospec.models.loading import inference_copy
 
     lm_cfg = apply(run.cfg, {"draft": {"kind": "lm"}})
-    draft_lm, _ = load_or_train_draft(lm_cfg, run.start_policy)
+    draft_lm, _ = load_or_train_draft(lm_cfg, run.start_policy, reuse=reuse)
     draft_lm = inference_copy(draft_lm, run.cfg.rollout.dtype)
     prompts = run.prompts(8 if run.quick else 16, seed=77)
     same = run.bench(draft_lm, prompts, batch_size=1)

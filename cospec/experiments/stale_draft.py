@@ -121,9 +121,11 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
 
 
 def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, policy=None,
-            draft=None, tokenizer=None, show: bool = True, adaptive: bool = False) -> dict:
+            draft=None, tokenizer=None, show: bool = True, adaptive: bool = False,
+            reuse: bool = False) -> dict:
     """Run the modes (making or reusing the starting policy and the offline draft unless given;
-    a given policy comes with its tokenizer, or the run's is loaded)."""
+    a given policy comes with its tokenizer, or the run's is loaded). ``reuse``: keep out_dir's
+    artifacts even when made with other settings (`cospec.artifacts`)."""
     from cospec.data.prompts import TaskData
     from cospec.artifacts import load_or_train_draft
     from cospec.models.loading import load_tokenizer
@@ -132,13 +134,13 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
     out.mkdir(parents=True, exist_ok=True)
     if policy is None:
-        start = load_policy(cfg, pick_device(cfg.device))
+        start = load_policy(cfg, pick_device(cfg.device), reuse=reuse)
         policy, tokenizer = start.policy, start.tokenizer
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
     if draft is None:
         draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
-                                       data=TaskData.from_config(cfg.task, tokenizer))
+                                       data=TaskData.from_config(cfg.task, tokenizer), reuse=reuse)
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
