@@ -41,6 +41,23 @@ def add_label_noise(ids: list[int], mask: list[int], noise: float, rng: random.R
             else t for t, m in zip(ids, mask)]
 
 
+def check_example_length(ids: list[int], max_seq_len: int | None) -> None:
+    """ConfigError naming model.max_seq_len for an SFT example the model cannot take (it sees
+    ids[:-1], the last id being only a target)."""
+    if max_seq_len is not None and len(ids) - 1 > max_seq_len:
+        raise ConfigError(f"model.max_seq_len={max_seq_len}: an SFT example of task.families "
+                          f"has {len(ids) - 1} tokens; raise it to at least that")
+
+
+def check_examples_fit(suite: TaskSuite, tok: CharTokenizer, max_seq_len: int, *, seed: int,
+                       num_examples: int = 16384) -> None:
+    """Up front, not at the step that first draws a long example: `num_examples` of a stream of
+    their own (~0.1 s; the families' lengths are bounded, and `next_batch` checks each one too)."""
+    rng = random.Random(seed)
+    for _ in range(num_examples):
+        check_example_length(suite.encode_sft(suite.sample(rng), tok)[0], max_seq_len)
+
+
 def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_per_batch: int,
                label_noise: float = 0.0, max_seq_len: int | None = None) -> PackedBatch:
     """Draw examples until the next one would overflow the token budget (at least one example).
@@ -48,9 +65,7 @@ def next_batch(suite: TaskSuite, tok: CharTokenizer, rng: random.Random, tokens_
     encoded, used = [], 0
     while True:
         ids, m = suite.encode_sft(suite.sample(rng), tok)
-        if max_seq_len is not None and len(ids) - 1 > max_seq_len:  # the model sees ids[:-1]
-            raise ConfigError(f"model.max_seq_len={max_seq_len}: an SFT example of task.families "
-                              f"has {len(ids) - 1} tokens; raise it to at least that")
+        check_example_length(ids, max_seq_len)
         ids = add_label_noise(ids, m, label_noise, rng, tok)
         if encoded and used + len(ids) - 1 > tokens_per_batch:
             break
@@ -89,9 +104,7 @@ def train_sft(cfg: RunConfig, *, device: torch.device, progress: bool = True,
     torch.manual_seed(cfg.sft.seed)
     model = (model or Transformer(cfg.model)).to(device).train()
     suite = TaskSuite(cfg.task)
-    # Up front, not at the step that first draws a long example: ~18K examples of a stream of
-    # their own, 0.4 s (the families' lengths are bounded; `next_batch` keeps checking each one)
-    next_batch(suite, tok, random.Random(cfg.task.seed + 1), 4096 * 90, 0.0, cfg.model.max_seq_len)
+    check_examples_fit(suite, tok, cfg.model.max_seq_len, seed=cfg.task.seed + 1)
     rng = random.Random(cfg.task.seed)
     s = cfg.sft
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]

@@ -4,8 +4,8 @@ Two kinds of failure that would otherwise pass in silence or end in a traceback 
 
 - `NonFiniteError`: a NaN or inf where a model's weights, a sampling distribution, a loss or a
   gradient must be finite. A NaN draft distribution, for one, does not crash speculative sampling:
-  every draft is rejected and the residual draw returns token 0, so the rollouts are silently no
-  longer the policy's. Whoever finds the NaN raises this, naming the model and the step.
+  every draft is rejected and the residual draw over a NaN distribution returns whatever token the
+  search lands on, so the rollouts are silently no longer the policy's. Whoever finds the NaN raises this, naming the model and the step.
 - `CheckpointError`: a file that cannot be read as what it should be (truncated safetensors, a
   garbage JSON, a torch pickle cut short), naming the file and what is wrong. A `ValueError`, so
   the CLI reports it as a bad input (exit 2) beside a bad config.
@@ -49,8 +49,8 @@ def check_finite(tensors: Mapping[str, Tensor], source: str) -> None:
     bad = nonfinite_names(tensors)
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
-        raise NonFiniteWeightsError(f"{source}: non-finite values (NaN or inf) in {', '.join(bad[:3])}"
-                             f"{more}; the weights are unusable")
+        raise NonFiniteWeightsError(f"{source}: non-finite values (NaN or inf) in "
+                                    f"{', '.join(bad[:3])}{more}; the weights are unusable")
 
 
 def read_json(path: Path, what: str) -> Any:

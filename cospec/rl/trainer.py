@@ -355,15 +355,15 @@ class GRPOTrainer:
         they are checkpointed with that step's RNG states, so --resume repeats the failed step
         exactly (to inspect it, or after changing the config). Otherwise the newest checkpoint on
         disk is the last good one."""
-        good = (self.group is None and self._step_start_rng is not None
-                and not self._updated_this_step and not nonfinite_names(self.policy.state_dict())
-                and (self.draft is None or not nonfinite_names(self.draft.state_dict())))
-        if good:
+        if self.group is None and self._step_start_rng is not None and not self._updated_this_step:
             torch.set_rng_state(self._step_start_rng[0])
             self.prompt_rng.setstate(self._step_start_rng[1])
-            self.save()
-            return (f"The state before the failed step (step {self.step}) is checkpointed in "
-                    f"{self.out_dir}/checkpoints; cospec train --resume continues from it")
+            try:
+                self.save()  # refuses non-finite weights (a NaN that came in some other way)
+                return (f"The state before the failed step (step {self.step}) is checkpointed in "
+                        f"{self.out_dir}/checkpoints; cospec train --resume continues from it")
+            except NonFiniteError:
+                pass
         last = latest_checkpoint(f"{self.out_dir}/checkpoints")
         return (f"The newest good checkpoint is {last}" if last is not None
                 else "No checkpoint was written before it")
