@@ -16,6 +16,7 @@ import torch
 
 from cospec.config import ModelConfig, SamplingConfig
 from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.data.tokenizer import BOS, EOS
@@ -47,7 +48,8 @@ def make_prompts(lengths, vocab=CFG.vocab_size, seed=0):
 
 def drafts_for(policy):
     """An EAGLE-3 draft (random), a standalone LM draft (a noisy copy of the policy: high but not
-    perfect acceptance) and the policy itself as its own draft (accepts everything)."""
+    perfect acceptance), the policy itself as its own draft (accepts everything), and block
+    drafts (random)."""
     torch.manual_seed(1)
     eagle = Eagle3Draft.from_policy(policy).eval()
     # a reduced head over every third id (and EOS): tokens outside it are never drafted
@@ -56,13 +58,22 @@ def drafts_for(policy):
     with torch.no_grad():
         for p in noisy.parameters():
             p.add_(0.01 * torch.randn_like(p))
-    return {"eagle3": eagle, "eagle3-reduced": reduced.eval(), "lm": noisy, "self": policy}
+    # block drafts: parallel heads; with DSpark's correction (made non-trivial) and confidence
+    block = BlockDraft.from_policy(policy, num_layers=2, correction=False, confidence=False)
+    corrected = BlockDraft.from_policy(policy)
+    with torch.no_grad():
+        corrected.correction.weight.normal_(std=0.1)
+    block_reduced = BlockDraft.from_policy(policy, vocab_ids=reduced.vocab_ids)
+    return {"eagle3": eagle, "eagle3-reduced": reduced.eval(), "lm": noisy, "self": policy,
+            "block": block.eval(), "block-corrected": corrected.eval(),
+            "block-reduced": block_reduced.eval()}
 
 
 PROMPT_LENGTHS = [1, 4, 12, 7, 2, 9, 5, 3, 15, 6, 8]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3-reduced", "lm", "self"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-reduced", "lm", "self", "block",
+                                  "block-corrected", "block-reduced"])
 @pytest.mark.parametrize("gamma,adaptive", [(1, False), (4, False), (4, True)])
 def test_greedy_speculation_equals_greedy_plain_decoding_token_for_token(policy, kind, gamma,
                                                                          adaptive):
@@ -123,11 +134,10 @@ def exact_response_distribution(policy, prompt, sampling):
     return dist
 
 
-def trained_tiny_draft(policy, vocab_ids=None):
-    """An EAGLE-3 draft fitted for a few TTT steps on the policy's own samples (acceptance well
-    above a random draft's), so both the accept and the reject paths carry real mass."""
-    torch.manual_seed(2)
-    draft = Eagle3Draft.from_policy(policy, vocab_ids=vocab_ids)
+def fit_tiny_draft(policy, draft, steps=60):
+    """`draft` fitted for a few TTT steps on the policy's own samples (acceptance well above a
+    random draft's), so both the accept and the reject paths carry real mass. Returns (draft,
+    the last step's metrics)."""
     samples = GenerationEngine(policy, batch_size=32, stop_ids=None).generate(
         [[BOS, 4]] * 32, SamplingConfig(max_new_tokens=10), generator=torch.Generator().manual_seed(0))
     seqs = [c.prompt + c.tokens for c in samples.completions]
@@ -138,12 +148,17 @@ def trained_tiny_draft(policy, vocab_ids=None):
     batch = TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=torch.ones(len(tokens)),
                      taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
     opt = torch.optim.Adam(draft.parameters(), lr=1e-2)
-    for _ in range(60):
-        loss, _ = ttt_loss(draft, batch, num_steps=3)
+    for _ in range(steps):
+        loss, metrics = ttt_loss(draft, batch, num_steps=3)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    return draft.eval()
+    return draft.eval(), metrics
+
+
+def trained_tiny_draft(policy, vocab_ids=None):
+    torch.manual_seed(2)
+    return fit_tiny_draft(policy, Eagle3Draft.from_policy(policy, vocab_ids=vocab_ids))[0]
 
 
 def chi_square_p_value(observed, expected):
@@ -199,11 +214,17 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
     if draft_kind == "trained-reduced":
         drafted_outside = [t for c in result.completions for t in c.tokens if t not in reduced]
         assert drafted_outside  # they occur; the check below says with exactly their probability
+    assert_follows_exact_distribution(policy, prompts, result.completions, sampling)
+
+
+def assert_follows_exact_distribution(policy, prompts, completions, sampling):
+    """The completions (SAMPLES_PER_PROMPT per prompt, interleaved) against the exact response
+    distribution: chi-square p-value and TV bounds of the test above."""
     for which, prompt in enumerate(prompts):
         exact = exact_response_distribution(policy, prompt, sampling)
         outcomes = sorted(exact)
         counts = {o: 0 for o in outcomes}
-        for c in result.completions[which::len(prompts)]:
+        for c in completions[which::len(prompts)]:
             counts[tuple(c.tokens)] += 1  # KeyError: an impossible response was generated
         n = SAMPLES_PER_PROMPT
         observed = [counts[o] for o in outcomes]
@@ -336,7 +357,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.mark.parametrize("kind", ["plain", "eagle3", "lm", "adaptive"])
+@pytest.mark.parametrize("kind", ["plain", "eagle3", "lm", "block-corrected", "adaptive"])
 def test_every_step_reads_the_device_once(policy, kind):
     """One host read per policy forward (refill or step): the accepted counts, tokens, logprobs
     and the finiteness verdict travel in one copy; the caches learn their rows' lengths from the
@@ -346,7 +367,7 @@ def test_every_step_reads_the_device_once(policy, kind):
     if kind == "plain":
         engine = GenerationEngine(policy, batch_size=3)
     else:
-        engine = SpeculativeEngine(policy, drafts["lm" if kind == "lm" else "eagle3"], batch_size=3,
+        engine = SpeculativeEngine(policy, drafts.get(kind, drafts["eagle3"]), batch_size=3,
                                    gamma=3, adaptive=kind == "adaptive")
         if kind == "adaptive":  # calibration measures forwards on dummy rows: not a step
             engine.generate(make_prompts([4]), SamplingConfig(temperature=1.0, max_new_tokens=2))

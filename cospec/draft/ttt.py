@@ -24,9 +24,11 @@ import torch
 from torch import Tensor
 
 from cospec.data.tokenizer import PAD
+from cospec.draft.block_ttt import block_unroll
 from cospec.draft.losses import soft_cross_entropy, total_variation
+from cospec.models.block_draft import BlockDraft
 from cospec.models.branch_attention import trunk_branch_attention
-from cospec.models.draft import Eagle3Draft
+from cospec.models.draft import Eagle3Draft, TappedDraft
 from cospec.models.llama import packed_positions, rope_cos_sin
 
 
@@ -91,7 +93,7 @@ def sample_sequences(batch: TTTBatch, max_tokens: int, rng: random.Random) -> TT
                     policy_logits=batch.policy_logits[index])
 
 
-def shifted_taps(draft: Eagle3Draft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
+def shifted_taps(draft: TappedDraft, taps: dict[int, Tensor], cu_seqlens: Tensor) -> Tensor:
     """[T, K*C]: the concatenated policy taps of position t - 1 for entry t, zeros at sequence
     starts (the draft's fc has no bias, so projecting this equals shifting the projection)."""
     missing = [t for t in draft.tap_layers if t not in taps]
@@ -129,7 +131,7 @@ class TTTSteps:
     positions_T: Tensor
 
 
-def ttt_steps(draft: Eagle3Draft, batch: TTTBatch, num_steps: int) -> TTTSteps:
+def ttt_steps(draft: TappedDraft, batch: TTTBatch, num_steps: int) -> TTTSteps:
     T = batch.tokens.shape[0]
     cu = batch.cu_seqlens
     idx = torch.arange(T, device=batch.tokens.device)
@@ -169,7 +171,7 @@ def ttt_unroll(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor,
     return logits
 
 
-def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, *, num_steps: int, decay: float = 0.8,
+def ttt_loss(draft: TappedDraft, batch: TTTBatch, *, num_steps: int, decay: float = 0.8,
              temperature: float = 1.0, tv_weight: float = 0.0) -> tuple[Tensor, dict]:
     """sum_j decay^(j-1) * [(1 - tv_weight) * CE_j + tv_weight * TV_j], each a masked mean.
 
@@ -180,23 +182,37 @@ def ttt_loss(draft: Eagle3Draft, batch: TTTBatch, *, num_steps: int, decay: floa
                              decay=decay, temperature=temperature, tv_weight=tv_weight)
 
 
-def ttt_loss_on_steps(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor, *,
+def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *,
                       decay: float = 0.8, temperature: float = 1.0, tv_weight: float = 0.0,
                       attention=trunk_branch_attention, total_count=None) -> tuple[Tensor, dict]:
     """`ttt_loss` on (possibly sharded) steps. ``total_count(count) -> count``: under context
     parallelism, the all-reduced number of trained tokens of a step, so that each rank's loss is its
     share of the global masked mean (the ranks' losses and gradients then sum to the cp=1 ones)."""
-    logits = ttt_unroll(draft, steps, cu_seqlens, attention)
+    if isinstance(draft, BlockDraft):
+        logits, confidence = block_unroll(draft, steps, cu_seqlens, attention)
+    else:
+        logits = ttt_unroll(draft, steps, cu_seqlens, attention)
+        confidence = [None] * len(logits)
     total = torch.zeros((), device=steps.tokens_JT.device)
     metrics = {"ce": [], "tv": [], "acceptance": []}
-    for j, lg in enumerate(logits):
+    for j, (lg, conf) in enumerate(zip(logits, confidence)):
         mask = steps.mask_JT[j].float()
-        count = mask.sum() if total_count is None else total_count(mask.sum())
+        count = (mask.sum() if total_count is None else total_count(mask.sum())).clamp(min=1)
         target, ids = steps.targets_JTV[j], draft.vocab_ids
-        ce = (soft_cross_entropy(lg, target, temperature, ids) * mask).sum() / count.clamp(min=1)
-        tv = (total_variation(lg, target, temperature, ids) * mask).sum() / count.clamp(min=1)
+        tv_t = total_variation(lg, target, temperature, ids)
+        ce = (soft_cross_entropy(lg, target, temperature, ids) * mask).sum() / count
+        tv = (tv_t * mask).sum() / count
         total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())
         metrics["acceptance"].append(1 - metrics["tv"][-1])
+        if conf is not None:
+            # The block draft's confidence head learns P(accept) = 1 - TV at this position (its
+            # input is detached: this term trains the head alone).
+            accept = (1 - tv_t).detach().clamp(0, 1)
+            bce = torch.nn.functional.binary_cross_entropy(conf.float().clamp(1e-6, 1 - 1e-6),
+                                                           accept.float(), reduction="none")
+            total = total + (bce * mask).sum() / count
+            metrics.setdefault("confidence_error", []).append(
+                (((conf.float() - accept).abs() * mask).sum() / count).item())
     return total, metrics

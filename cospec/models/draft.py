@@ -89,56 +89,49 @@ class DraftOutput:
     hidden: Tensor
 
 
-class Eagle3Draft(nn.Module):
-    def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
-                 intermediate_size: int = 0, vocab_ids: Tensor | None = None,
-                 attn_fn: AttentionCallable = sdpa_attention):
-        """vocab_ids: a reduced draft vocabulary (EAGLE-3, Sec. 3.3 of its code release: the head
-        covers only the most frequent tokens), the policy ids of the head's rows, strictly
-        increasing; None = the policy's whole vocabulary. q is zero outside it."""
-        super().__init__()
+def vocab_ids_buffer(vocab_ids, vocab_size: int) -> Tensor | None:
+    """A reduced draft vocabulary as a long tensor, checked: strictly increasing policy ids in
+    [0, vocab_size); None stays None (the head covers the whole vocabulary)."""
+    if vocab_ids is None:
+        return None
+    # .to, not as_tensor: under a meta-device context as_tensor would make a meta tensor
+    vocab_ids = (vocab_ids if isinstance(vocab_ids, Tensor)
+                 else torch.tensor(list(vocab_ids))).to(dtype=torch.long)
+    if vocab_ids.dim() != 1 or len(vocab_ids) == 0 or not bool((vocab_ids[1:] > vocab_ids[:-1]).all()) \
+            or int(vocab_ids[0]) < 0 or int(vocab_ids[-1]) >= vocab_size:
+        raise ValueError(f"draft vocab_ids must be strictly increasing policy ids in [0, {vocab_size})")
+    return vocab_ids
+
+
+class TappedDraft(nn.Module):
+    """What every draft that reads the policy's tapped features shares (EAGLE-3's and the block
+    draft, `cospec.models.block_draft`): the taps, their fusing projection ``fc`` (3C -> C), an
+    embedding copied from the policy, and an LM head over the whole or a reduced vocabulary."""
+
+    def _init_tapped(self, policy_cfg: ModelConfig, tap_layers: tuple[int, ...],
+                     vocab_ids: Tensor | None) -> None:
         L = policy_cfg.num_layers
         self.tap_layers = tuple(tap_layers) or default_tap_layers(L)
         if len(self.tap_layers) != 3 or not all(0 <= t < L for t in self.tap_layers):
             raise ValueError(f"draft.tap_layers must be 3 layer ids in [0, {L}) of the policy, "
                              f"got {list(self.tap_layers)}")
         self.policy_config = policy_cfg
-        self.config = draft_model_config(policy_cfg, intermediate_size=intermediate_size)
         C = policy_cfg.hidden_size
-        self.attn_fn = attn_fn
         self.fc = nn.Linear(len(self.tap_layers) * C, C, bias=False)
         self.embed_tokens = nn.Embedding(policy_cfg.vocab_size, C)
-        # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
-        self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
         self.norm = RMSNorm(C, policy_cfg.rms_norm_eps)
-        if vocab_ids is not None:
-            # .to, not as_tensor: under a meta-device context as_tensor would make a meta tensor
-            vocab_ids = (vocab_ids if isinstance(vocab_ids, Tensor)
-                         else torch.tensor(list(vocab_ids))).to(dtype=torch.long)
-            V = policy_cfg.vocab_size
-            if vocab_ids.dim() != 1 or len(vocab_ids) == 0 or not bool((vocab_ids[1:] > vocab_ids[:-1]).all()) \
-                    or int(vocab_ids[0]) < 0 or int(vocab_ids[-1]) >= V:
-                raise ValueError(f"draft vocab_ids must be strictly increasing policy ids in [0, {V})")
+        vocab_ids = vocab_ids_buffer(vocab_ids, policy_cfg.vocab_size)
         # Saved with the weights (a buffer), so a loaded draft keeps its mapping.
         self.register_buffer("vocab_ids", vocab_ids)
         head_rows = policy_cfg.vocab_size if vocab_ids is None else len(vocab_ids)
         self.lm_head = nn.Linear(C, head_rows, bias=False)
-        Transformer.reset_parameters(self)
 
-    @classmethod
-    def from_policy(cls, policy: Transformer, *, tap_layers: tuple[int, ...] = (),
-                    intermediate_size: int = 0, init_from_policy: bool = True,
-                    vocab_ids: Tensor | None = None) -> "Eagle3Draft":
-        """A draft sized for `policy`, on its device and dtype; embedding and head (its rows of the
-        draft vocabulary) copied from it."""
-        p = next(policy.parameters())
-        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size,
-                    vocab_ids=vocab_ids)
-        if init_from_policy:
-            draft.embed_tokens.weight.data.copy_(policy.embed_tokens.weight.data)
-            head = policy.lm_head.weight.data
-            draft.lm_head.weight.data.copy_(head if vocab_ids is None else head[draft.vocab_ids.to(head.device)])
-        return draft.to(device=p.device, dtype=p.dtype)
+    def copy_from_policy(self, policy: Transformer) -> None:
+        """The policy's embedding, and its head's rows of the draft vocabulary."""
+        self.embed_tokens.weight.data.copy_(policy.embed_tokens.weight.data)
+        head = policy.lm_head.weight.data
+        self.lm_head.weight.data.copy_(head if self.vocab_ids is None
+                                       else head[self.vocab_ids.to(head.device)])
 
     @property
     def draft_vocab_size(self) -> int:
@@ -173,6 +166,35 @@ class Eagle3Draft(nn.Module):
     def project(self, taps: dict[int, Tensor]) -> Tensor:
         """fc(concat of the tapped policy features in tap_layers order): [B, T, C]."""
         return self.fc(self.concat_taps(taps))
+
+
+class Eagle3Draft(TappedDraft):
+    def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
+                 intermediate_size: int = 0, vocab_ids: Tensor | None = None,
+                 attn_fn: AttentionCallable = sdpa_attention):
+        """vocab_ids: a reduced draft vocabulary (EAGLE-3, Sec. 3.3 of its code release: the head
+        covers only the most frequent tokens), the policy ids of the head's rows, strictly
+        increasing; None = the policy's whole vocabulary. q is zero outside it."""
+        super().__init__()
+        self._init_tapped(policy_cfg, tap_layers, vocab_ids)
+        self.config = draft_model_config(policy_cfg, intermediate_size=intermediate_size)
+        self.attn_fn = attn_fn
+        # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
+        self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
+        Transformer.reset_parameters(self)
+
+    @classmethod
+    def from_policy(cls, policy: Transformer, *, tap_layers: tuple[int, ...] = (),
+                    intermediate_size: int = 0, init_from_policy: bool = True,
+                    vocab_ids: Tensor | None = None) -> "Eagle3Draft":
+        """A draft sized for `policy`, on its device and dtype; embedding and head (its rows of the
+        draft vocabulary) copied from it."""
+        p = next(policy.parameters())
+        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size,
+                    vocab_ids=vocab_ids)
+        if init_from_policy:
+            draft.copy_from_policy(policy)
+        return draft.to(device=p.device, dtype=p.dtype)
 
     def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
                 positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,

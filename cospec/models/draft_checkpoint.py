@@ -1,8 +1,8 @@
 """Save and load drafts.
 
-- An EAGLE-3 draft: a directory with ``draft.json`` (kind, tap layers, the policy config it was
-  built for, its MLP size, its head's vocabulary size) and ``model.safetensors`` (with
-  ``vocab_ids``, the policy ids of a reduced head's rows).
+- An EAGLE-3 or a block draft: a directory with ``draft.json`` (kind, tap layers, the policy
+  config it was built for, its MLP size, its head's vocabulary size; a block draft's depth and
+  heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a reduced head's rows).
 - A standalone draft LM: a plain HF checkpoint (`save_hf`), so transformers can load it as the
   ``assistant_model`` of its assisted generation.
 Writes are atomic (temp directory, then rename), like `save_hf`.
@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 
 from cospec.config import ModelConfig
-from cospec.models.draft import Eagle3Draft
+from cospec.models.block_draft import BlockDraft
+from cospec.models.draft import Eagle3Draft, TappedDraft
 from cospec.models.hf_checkpoint import (CONFIG_NAME, WEIGHTS_NAME, load_hf, save_hf,
                                          write_checkpoint_directory)
 from cospec.models.integrity import (CheckpointError, check_finite, read_json_object,
@@ -26,27 +27,32 @@ from cospec.models.llama import Transformer
 DRAFT_CONFIG_NAME = "draft.json"
 
 
-def save_draft(draft: Eagle3Draft | Transformer, path: str | Path) -> None:
+def save_draft(draft: TappedDraft | Transformer, path: str | Path) -> None:
     path = Path(path)
     if isinstance(draft, Transformer):
         save_hf(draft, path)
         return
-    meta = {"kind": "eagle3", "tap_layers": list(draft.tap_layers),
+    meta = {"kind": "block" if isinstance(draft, BlockDraft) else "eagle3",
+            "tap_layers": list(draft.tap_layers),
             "intermediate_size": draft.config.intermediate_size,
             "draft_vocab_size": draft.draft_vocab_size,  # its ids: the vocab_ids tensor
             "policy_config": dataclasses.asdict(draft.policy_config)}
+    if isinstance(draft, BlockDraft):
+        meta.update(num_layers=len(draft.layers), correction=draft.has_correction,
+                    confidence=draft.has_confidence)
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     write_checkpoint_directory(path, state, {DRAFT_CONFIG_NAME: meta})
 
 
-def load_draft(path: str | Path, *, device: torch.device | str | None = None) -> Eagle3Draft | Transformer:
-    """The draft saved at `path`: an `Eagle3Draft`, or a `Transformer` for an HF-layout draft LM.
+def load_draft(path: str | Path, *, device: torch.device | str | None = None) -> TappedDraft | Transformer:
+    """The draft saved at `path`: an `Eagle3Draft` or a `BlockDraft`, or a `Transformer` for an
+    HF-layout draft LM.
 
     A draft.json that is garbage or disagrees with the weights beside it raises `CheckpointError`
     naming the file; a NaN or inf weight, `NonFiniteError`."""
     path = Path(path)
     if (path / DRAFT_CONFIG_NAME).exists():
-        draft = _eagle3_from_meta(path / DRAFT_CONFIG_NAME)
+        draft = _tapped_from_meta(path / DRAFT_CONFIG_NAME)
         state = read_safetensors(path / WEIGHTS_NAME, str(device or "cpu"))
         check_finite(state, str(path / WEIGHTS_NAME))
         try:
@@ -60,17 +66,23 @@ def load_draft(path: str | Path, *, device: torch.device | str | None = None) ->
     raise CheckpointError(f"{path}: not a draft checkpoint (no {DRAFT_CONFIG_NAME} or {CONFIG_NAME})")
 
 
-def _eagle3_from_meta(meta_path: Path) -> Eagle3Draft:
-    """An EAGLE-3 draft shaped as draft.json says (weights still to load)."""
+def _tapped_from_meta(meta_path: Path) -> TappedDraft:
+    """An EAGLE-3 or block draft shaped as draft.json says (weights still to load)."""
     meta = read_json_object(meta_path, "the draft's config")
     try:
         policy_cfg = ModelConfig(**{k: tuple(v) if isinstance(v, list) else v
                                     for k, v in meta["policy_config"].items()})
         reduced = meta.get("draft_vocab_size", policy_cfg.vocab_size) < policy_cfg.vocab_size
         # placeholder ids of the right length; load_state_dict puts the saved ones in
-        return Eagle3Draft(policy_cfg, tap_layers=tuple(meta["tap_layers"]),
-                           intermediate_size=meta["intermediate_size"],
-                           vocab_ids=torch.arange(meta["draft_vocab_size"]) if reduced else None)
+        common = dict(tap_layers=tuple(meta["tap_layers"]), intermediate_size=meta["intermediate_size"],
+                      vocab_ids=torch.arange(meta["draft_vocab_size"]) if reduced else None)
+        kind = meta.get("kind", "eagle3")
+        if kind == "block":
+            return BlockDraft(policy_cfg, num_layers=meta["num_layers"],
+                              correction=meta["correction"], confidence=meta["confidence"], **common)
+        if kind != "eagle3":
+            raise CheckpointError(f"{meta_path}: unknown draft kind {kind!r} (eagle3 or block)")
+        return Eagle3Draft(policy_cfg, **common)
     except KeyError as e:
         raise CheckpointError(f"{meta_path}: missing field {e}") from e
     except (TypeError, ValueError, AttributeError) as e:

@@ -16,6 +16,14 @@ per row, so it costs like a T = E(G) call; the other G - 1 calls take one entry)
 G = 0 being plain decoding (E = 1, no draft). So speculation switches itself off at batch sizes where
 verifying G + 1 tokens costs nearly G + 1 decode steps, and back on as the batch drains in the tail.
 
+A block drafter (`cospec.rollout.drafter.BlockDrafter`) drafts all G tokens in one forward, so there
+    cost(N, G) = verify(N, G + 1) + draft(N, ceil(E(G))) + block(N, G)
+with block(N, G) one block forward and its heads. With its confidence head, the drafted block is
+then cut to the verify length k that maximises this step's rate, from the confidences c_{r,i} of
+each row r (the head's estimate of a_i for that row):
+    argmax_k  sum_r E_r(k) / (spent + verify(N, k + 1)),   k in 0..G,
+spent being the drafting time already paid (DSpark's confidence-scheduled verification).
+
 Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a short calibration
 (`calibrate` in `cospec.rollout.calibration`) and kept current by an exponential moving average of
 every step's measured time; N between measured points is interpolated linearly. Acceptance is a
@@ -37,6 +45,7 @@ class CostModel:
         self.ema = ema
         self.verify: dict[int, dict[int, float]] = {}  # T -> {N: seconds}
         self.draft: dict[int, dict[int, float]] = {}  # T -> {N: seconds per draft call}
+        self.block: dict[int, dict[int, float]] = {}  # G -> {N: seconds per block forward}
 
     @staticmethod
     def bucket(n: int) -> int:
@@ -56,6 +65,9 @@ class CostModel:
 
     def observe_draft(self, n: int, t: int, seconds: float) -> None:
         self._update(self.draft.setdefault(t, {}), n, seconds)
+
+    def observe_block(self, n: int, g: int, seconds: float) -> None:
+        self._update(self.block.setdefault(g, {}), n, seconds)
 
     @staticmethod
     def _interpolate(table: dict[int, float], n: int) -> float | None:
@@ -88,6 +100,17 @@ class CostModel:
         return self._interpolate(self.draft.get(t, {}), n)
 
 
+    def block_cost(self, n: int, g: int) -> float | None:
+        """A block forward of g positions (and its heads); past the longest measured, linear."""
+        if not self.block:
+            return None
+        longest = max(self.block)
+        if g > longest:
+            base = self._interpolate(self.block[longest], n)
+            return None if base is None else base * g / longest
+        return self._interpolate(self.block.get(g, {}), n)
+
+
 def expected_tokens(accept_by_position: list[float], gamma: int) -> float:
     """E(G) = 1 + sum_{i<=G} prod_{j<=i} a_j: tokens one row gains from one step."""
     total, reach = 1.0, 1.0
@@ -118,6 +141,7 @@ class AdaptiveGamma:
         self.reached = [0.0] * gamma_max  # rows whose draft position j was judged
         self.accepted = [0.0] * gamma_max  # of those, rows that accepted it
         self.steps_at_zero = 0
+        self.block_drafter = False  # set by the engine: the draft proposes a block per forward
 
     def acceptance(self) -> list[float]:
         """Current estimate of a_j for j = 1..gamma_max."""
@@ -140,10 +164,12 @@ class AdaptiveGamma:
         draft = 0.0
         if gamma > 0:
             catch_up = self.cost.draft_cost(n, math.ceil(tokens))
-            single = self.cost.draft_cost(n, 1)
-            if catch_up is None or single is None:
+            rest = (self.cost.block_cost(n, gamma) if self.block_drafter
+                    else None if (single := self.cost.draft_cost(n, 1)) is None
+                    else (gamma - 1) * single)
+            if catch_up is None or rest is None:
                 return None
-            draft = catch_up + (gamma - 1) * single
+            draft = catch_up + rest
         if verify is None:
             return None
         return n * tokens / (verify + draft)
@@ -182,3 +208,16 @@ class AdaptiveGamma:
         finally:
             self.accepted, self.reached = saved
         return optimistic >= (1 + self.margin) * (self.throughput(n, 0) or float("inf"))
+
+    def verify_length(self, n: int, confidence_rows: list[list[float]], spent: float) -> int:
+        """How many of a drafted block to verify: argmax_k sum_r E_r(k) / (spent + verify(n, k+1))
+        with each row's confidences as its acceptance (module docstring); the whole block while
+        a verify cost is unknown."""
+        G = len(confidence_rows[0])
+        rates = {}
+        for k in range(G + 1):
+            verify = self.cost.verify_cost(n, k + 1)
+            if verify is None:
+                return G
+            rates[k] = sum(expected_tokens(c, k) for c in confidence_rows) / (spent + verify)
+        return max(rates, key=rates.get)

@@ -16,6 +16,7 @@ import time
 import torch
 from torch import Tensor
 
+from cospec.config import SamplingConfig
 from cospec.rollout.engine import score_tokens
 from cospec.rollout.sampling import probs_from_logits, sample
 
@@ -62,10 +63,33 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
                 engine.draft_cache.advance(context)
                 t0 = synced_time(engine.seq_BS)
                 # as a catch-up call: the stored features projected, then the draft's forward
-                logits, _ = engine.drafter(engine.draft_cache, torch.full((N, T), 4, device=device),
-                                           engine.drafter.project(stored), rows_t)
-                sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # the draw of a step
+                if engine.drafter.parallel:  # a block drafter's catch-up writes context only
+                    engine.drafter.add_context(engine.draft_cache, engine.drafter.project(stored),
+                                               rows_t, T)
+                else:
+                    logits, _ = engine.drafter(engine.draft_cache,
+                                               torch.full((N, T), 4, device=device),
+                                               engine.drafter.project(stored), rows_t)
+                    sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # a step's draw
                 best = min(best, synced_time(engine.seq_BS) - t0)
             cost.observe_draft(N, T, best)
+        if engine.drafter.parallel:
+            _calibrate_block(engine, N, rows_t, context, repeats, scratch_rng)
     engine.cache.reset()
     engine.draft_cache.reset()
+
+
+def _calibrate_block(engine, N, rows_t, context, repeats, generator) -> None:
+    """block(N, G) for G = 1..gamma: one block forward and its heads' draws."""
+    device = engine.seq_BS.device
+    sampling = SamplingConfig(temperature=1.0)
+    for G in range(1, engine.gamma + 1):
+        best = float("inf")
+        for _ in range(repeats + 1):
+            engine.draft_cache.reset()
+            engine.draft_cache.advance(context)
+            t0 = synced_time(engine.seq_BS)
+            engine.drafter.draft(engine.draft_cache, torch.full((N,), 4, device=device), G, rows_t,
+                                 sampling, generator)
+            best = min(best, synced_time(engine.seq_BS) - t0)
+        engine.controller.cost.observe_block(N, G, best)

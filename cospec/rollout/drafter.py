@@ -2,7 +2,7 @@
 
 # N rows addressed, T entries per row, C hidden size, V vocab
 
-Both drafts index a sequence s_0 s_1 ... by *entry*: entry t holds token s_t (and, for EAGLE-3, the
+The drafts index a sequence s_0 s_1 ... by *entry*: entry t holds token s_t (and, for EAGLE-3, the
 projected policy feature of position t - 1, zeros at t = 0; see `cospec.models.draft`), sits at
 position t of the draft's own KV cache, and its logits predict s_{t+1}. The engine keeps, per cache
 row, the token history and the feature history aligned by entry, feeds every entry the draft has not
@@ -20,24 +20,32 @@ A drafter:
 - ``new_cache(batch_size, capacity)``: the draft's own KV cache;
 - ``vocab_ids``: the policy ids of the draft head's columns (EAGLE-3's reduced draft vocabulary),
   or None when the head covers the whole vocabulary; q is zero off the head;
-- ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, Vd], state
+- ``parallel``: False for the autoregressive drafters (EAGLE-3, a draft LM), which offer
+  ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, Vd], state
   [N, T, C] or None): feed T entries per row; logits over the head's columns; ``feats`` is the
   stored feature for catch-up entries and the previous step's ``state`` for further draft steps.
+  True for the block drafter (`BlockDrafter`), whose catch-up writes only context and whose one
+  forward proposes the whole block.
 """
 
 from __future__ import annotations
 
 from torch import Tensor
 
-from cospec.models.draft import Eagle3Draft
+import torch
+
+from cospec.config import SamplingConfig
+from cospec.models.block_draft import BlockDraft
+from cospec.models.draft import Eagle3Draft, TappedDraft
 from cospec.models.llama import Transformer
 from cospec.rollout.kv_cache import KVCache
+from cospec.rollout.sampling import probs_from_logits, sample
 
 
-class Eagle3Drafter:
-    """EAGLE-3: first step on the policy's features, later steps on the draft's own hidden."""
+class TappedDrafter:
+    """What the drafters of a `TappedDraft` share: the taps stored raw, projected at catch-up."""
 
-    def __init__(self, draft: Eagle3Draft, policy_cfg=None):
+    def __init__(self, draft: TappedDraft, policy_cfg=None):
         if policy_cfg is not None:
             draft.check_policy(policy_cfg)
         self.model = draft
@@ -54,6 +62,12 @@ class Eagle3Drafter:
     def new_cache(self, batch_size: int, capacity: int) -> KVCache:
         return KVCache.for_model(self.model, batch_size, capacity)
 
+
+class Eagle3Drafter(TappedDrafter):
+    """EAGLE-3: first step on the policy's features, later steps on the draft's own hidden."""
+
+    parallel = False  # drafts one token per call (a block drafter: `BlockDrafter`)
+
     def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor, rows_N: Tensor | None,
                  num_valid_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
         out = self.model(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
@@ -68,6 +82,7 @@ class LMDrafter:
     """A standalone small causal LM (the "draft model" method of vLLM and HF assisted generation)."""
 
     tap_layers: tuple[int, ...] = ()
+    parallel = False
     feature_size = 0
     vocab_ids = None
 
@@ -92,12 +107,62 @@ class LMDrafter:
         return out.logits, None
 
 
+class BlockDrafter(TappedDrafter):
+    """The block draft (`cospec.models.block_draft`): a catch-up, one forward, then the heads.
+
+    ``parallel = True``: instead of the autoregressive ``__call__`` it offers
+    - ``add_context(cache, feats_NWC, rows, width_N)``: entries e..n of each row into the draft's
+      cache, keys and values only (no query, no logits: two projections a layer);
+    - ``draft(cache, anchor_N, gamma, rows, sampling, generator)``: one forward of the block
+      [s_n, mask x (gamma - 1)] and the draws of its gamma tokens, each from q_i over the head's
+      columns. With the sequential correction, position i's logits depend on the token drawn at
+      i - 1, so the heads run one position at a time (a C x C matmul and the head each); without
+      it all gamma positions are warped and drawn at once. Returns the drafts in policy ids
+      [N, G], q [N, G, Vd], and the confidence [N, G] (None without the head), which the
+      adaptive controller turns into a verify length (`AdaptiveGamma.verify_length`).
+    """
+
+    parallel = True
+
+    def add_context(self, cache: KVCache, feats_NWC: Tensor, rows_N: Tensor | None,
+                    width_N: Tensor | int) -> None:
+        self.model.add_context(cache, feats_NWC, rows_N, width_N)
+
+    def draft(self, cache: KVCache, anchor_N: Tensor, gamma: int, rows_N: Tensor | None,
+              sampling: SamplingConfig, generator: torch.Generator | None
+              ) -> tuple[Tensor, Tensor, Tensor | None]:
+        m, ids = self.model, self.vocab_ids
+        hidden_NGC = m.propose(cache, anchor_N, gamma, rows_N)
+        warp = (sampling.temperature, sampling.top_k, sampling.top_p)
+        if not m.has_correction:
+            N = hidden_NGC.shape[0]
+            q_NGV = probs_from_logits(m.logits(hidden_NGC), *warp)
+            x = sample(q_NGV.reshape(N * gamma, -1), generator).view(N, gamma)
+            conf = m.confidence(hidden_NGC)
+            return (x if ids is None else ids[x]), q_NGV, conf
+        prev, drafts, qs, confs = anchor_N, [], [], []
+        for i in range(gamma):
+            h = m.corrected(hidden_NGC[:, i], prev)
+            q_NV = probs_from_logits(m.logits(h), *warp)
+            x_N = sample(q_NV, generator)
+            prev = x_N if ids is None else ids[x_N]
+            drafts.append(prev)
+            qs.append(q_NV)
+            confs.append(m.confidence(h))
+        conf = None if confs[0] is None else torch.stack(confs, 1)
+        return torch.stack(drafts, 1), torch.stack(qs, 1), conf
+
+
 def make_drafter(draft, policy_cfg=None):
-    """Wrap an `Eagle3Draft` or a standalone `Transformer` draft LM; checks it fits the policy."""
+    """Wrap an `Eagle3Draft`, a `BlockDraft` or a standalone `Transformer` draft LM; checks it
+    fits the policy."""
+    if isinstance(draft, BlockDraft):
+        return BlockDrafter(draft, policy_cfg)
     if isinstance(draft, Eagle3Draft):
         return Eagle3Drafter(draft, policy_cfg)
     if isinstance(draft, Transformer):
         return LMDrafter(draft, policy_cfg)
     if hasattr(draft, "new_cache") and hasattr(draft, "features"):
         return draft  # already a drafter
-    raise TypeError(f"cannot draft with a {type(draft).__name__}: expected Eagle3Draft or Transformer")
+    raise TypeError(f"cannot draft with a {type(draft).__name__}: "
+                    "expected Eagle3Draft, BlockDraft or Transformer")

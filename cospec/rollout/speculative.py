@@ -33,7 +33,6 @@ distribution, finish reasons) plus `SpeculationStats`.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Collection
 
 import torch
@@ -45,61 +44,13 @@ from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
 from cospec.rollout.drafter import make_drafter
-from cospec.rollout.engine import (Completion, GenerationEngine, GenerationResult,
-                                   append_until_finished, check_logprobs_finite, host_rows,
+from cospec.rollout.speculation_stats import SpeculationStats, SpeculativeResult
+from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished, check_logprobs_finite, host_rows,
                                    prefill_slots, score_tokens)
 from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
                                      sample_tokens)
 from cospec.rollout.verify import (DenseProbs, HeadProbs, head_index, nonfinite_message,
                                    overshoot_sums, verify_drafts)
-
-
-@dataclass
-class SpeculationStats:
-    """Counts over one `generate` call.
-
-    accept_length (tau): tokens produced per row per policy decode forward (prefills excluded;
-        a step at G = 0 produces 1); counts all k+1 tokens of a step, also those a finishing row
-        drops. per_row_accept_length: the same for each completion, in prompt order.
-    acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
-    per_row_judged / per_row_accepted: drafted tokens of each completion that the policy judged
-        (those up to the first rejection) and accepted; their ratio is the row's acceptance.
-    gamma_counts: steps taken at each gamma. Seconds: draft calls, verify forwards (or plain decode
-    forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
-    plain_decode_estimate_seconds: what plain decoding of the same tokens would have cost by the
-        cost model (each step's tau rows-tokens at verify(N, 1) per token); None without a cost model.
-    overshoot_by_position[j], over the drafted tokens x at position j+1 of every overshoot_every-th
-        drafting step (p, q as sampled):
-        log_q_over_p = mean log q(x) - log p(x) (p floored at 1e-12), frac_q_above_p = share with
-        q(x) > p(x), mass = mean sum_v max(0, q(v) - p(v)) (= TV(p, q) = 1 - acceptance probability).
-    """
-
-    row_steps: int = 0
-    step_tokens: int = 0
-    reached: list[int] = field(default_factory=list)
-    accepted: list[int] = field(default_factory=list)
-    gamma_counts: dict[int, int] = field(default_factory=dict)
-    per_row_accept_length: list[float] = field(default_factory=list)
-    per_row_judged: list[int] = field(default_factory=list)
-    per_row_accepted: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    verify_seconds: float = 0.0
-    other_seconds: float = 0.0
-    plain_decode_estimate_seconds: float | None = None
-    overshoot_by_position: list[dict] = field(default_factory=list)
-
-    @property
-    def accept_length(self) -> float:
-        return self.step_tokens / max(self.row_steps, 1)
-
-    @property
-    def acceptance_by_position(self) -> list[float]:
-        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
-
-
-@dataclass
-class SpeculativeResult(GenerationResult):
-    stats: SpeculationStats = field(default_factory=SpeculationStats)
 
 
 class SpeculativeEngine(GenerationEngine):
@@ -136,6 +87,8 @@ class SpeculativeEngine(GenerationEngine):
         self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.capacity + gamma))
         self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
                                          if adaptive else None)
+        if self.controller is not None:
+            self.controller.block_drafter = self.drafter.parallel
         if self.controller is not None and self.controller.gamma_max != gamma:
             raise ValueError(f"controller.gamma_max={self.controller.gamma_max} != gamma={gamma}")
         device = self.cache.lengths_B.device
@@ -242,8 +195,10 @@ class SpeculativeEngine(GenerationEngine):
         rows_N = torch.tensor(active, device=device)
         n_N = torch.tensor([self.n[s] for s in active], device=device)
         t0 = synced_time(self.seq_BS)
+        self._drafted = 0  # tokens the draft proposed this step
         if gamma > 0:
             draft_NG, q = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
+            gamma = draft_NG.shape[1]  # the verify length: a block's confidence may cut it
         t1 = synced_time(self.seq_BS)
         pending_N = self.seq_BS[rows_N, n_N]
         tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
@@ -303,7 +258,11 @@ class SpeculativeEngine(GenerationEngine):
         feats = (None if self.feat_BSF is None
                  else self.drafter.project(self.feat_BSF[rows_N[:, None], idx_NP]))
         self.draft_cache.expect_longest(0)  # the rows were emptied at refill
-        self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N, lengths_N)
+        if self.drafter.parallel:
+            self.drafter.add_context(self.draft_cache, feats, rows_N, lengths_N)
+        else:
+            self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N,
+                         lengths_N)
         for s in rows:
             self.e[s] = self.n[s]
 
@@ -322,6 +281,10 @@ class SpeculativeEngine(GenerationEngine):
         feats = (None if self.feat_BSF is None
                  else self.drafter.project(self.feat_BSF[rows_N[:, None], idx_NW]))
         self.draft_cache.expect_longest(max(self.e[s] for s in active))
+        self._drafted = gamma
+        if self.drafter.parallel:
+            return self._draft_block(active, rows_t, rows_N, n_N, width_N, feats, gamma, sampling,
+                                     generator)
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
                                      rows_t, width_N)
         last = torch.arange(len(active), device=device), width_N - 1
@@ -352,6 +315,29 @@ class SpeculativeEngine(GenerationEngine):
              else HeadProbs(q_NGD, ids, self.model.config.vocab_size, self.head_index_V))
         return torch.stack(drafts, 1), q
 
+    def _draft_block(self, active, rows_t, rows_N, n_N, width_N, feats, gamma, sampling,
+                     generator):
+        """`_draft` for a block drafter: the catch-up writes context only, then one forward
+        proposes all gamma tokens; with a controller and a confidence head, the drafts are cut to
+        the verify length the confidences make best (`AdaptiveGamma.verify_length`)."""
+        self.drafter.add_context(self.draft_cache, feats, rows_t, width_N)
+        self._single_steps_start = synced_time(self.seq_BS)
+        self.draft_cache.expect_longest(max(self.n[s] for s in active) + 1)
+        drafts, q_NGD, conf = self.drafter.draft(self.draft_cache, self.seq_BS[rows_N, n_N], gamma,
+                                                 rows_t, sampling, generator)
+        self._single_steps_end = synced_time(self.seq_BS)
+        for s in active:
+            self.e[s] = self.n[s] + 1
+        if conf is not None and self.controller is not None:
+            # A documented extra host read per drafting step: the confidences decide a shape.
+            k = self.controller.verify_length(len(active), conf.tolist(),
+                                              self._single_steps_end - self._draft_start)
+            drafts, q_NGD = drafts[:, :k], q_NGD[:, :k]
+        ids = self.draft_vocab_ids
+        q = (DenseProbs(q_NGD) if ids is None
+             else HeadProbs(q_NGD, ids, self.model.config.vocab_size, self.head_index_V))
+        return drafts, q
+
     def _account(self, active, gamma, ks, draft_s, verify_s) -> None:
         st = self.stats
         st.gamma_counts[gamma] = st.gamma_counts.get(gamma, 0) + 1
@@ -369,13 +355,15 @@ class SpeculativeEngine(GenerationEngine):
         if self.controller is not None:
             plain_step = self.controller.cost.verify_cost(len(active), 1)
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
-            if gamma > 0:  # the catch-up call by its width, the single-entry calls apart
-                cost = self.controller.cost
+            if self._drafted:  # the catch-up call by its width, the further calls apart
+                cost, drafted = self.controller.cost, self._drafted
                 cost.observe_draft(len(active), self._catch_up_width,
                                    self._single_steps_start - self._draft_start)
-                if gamma > 1:
-                    single = self._single_steps_end - self._single_steps_start
-                    cost.observe_draft(len(active), 1, single / (gamma - 1))
+                single = self._single_steps_end - self._single_steps_start
+                if self.drafter.parallel:  # one forward and the heads, by the block's length
+                    cost.observe_block(len(active), drafted, single)
+                elif drafted > 1:
+                    cost.observe_draft(len(active), 1, single / (drafted - 1))
             if gamma > 0:
                 self.controller.observe_acceptance(gamma, ks)
 

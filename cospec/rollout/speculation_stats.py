@@ -1,0 +1,55 @@
+"""What a speculative `generate` call reports: `SpeculationStats` and `SpeculativeResult`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from cospec.rollout.engine import GenerationResult
+
+
+@dataclass
+class SpeculationStats:
+    """Counts over one `generate` call.
+
+    accept_length (tau): tokens produced per row per policy decode forward (prefills excluded;
+        a step at G = 0 produces 1); counts all k+1 tokens of a step, also those a finishing row
+        drops. per_row_accept_length: the same for each completion, in prompt order.
+    acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
+    per_row_judged / per_row_accepted: drafted tokens of each completion that the policy judged
+        (those up to the first rejection) and accepted; their ratio is the row's acceptance.
+    gamma_counts: steps taken at each gamma. Seconds: draft calls, verify forwards (or plain decode
+    forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
+    plain_decode_estimate_seconds: what plain decoding of the same tokens would have cost by the
+        cost model (each step's tau rows-tokens at verify(N, 1) per token); None without a cost model.
+    overshoot_by_position[j], over the drafted tokens x at position j+1 of every overshoot_every-th
+        drafting step (p, q as sampled):
+        log_q_over_p = mean log q(x) - log p(x) (p floored at 1e-12), frac_q_above_p = share with
+        q(x) > p(x), mass = mean sum_v max(0, q(v) - p(v)) (= TV(p, q) = 1 - acceptance probability).
+    """
+
+    row_steps: int = 0
+    step_tokens: int = 0
+    reached: list[int] = field(default_factory=list)
+    accepted: list[int] = field(default_factory=list)
+    gamma_counts: dict[int, int] = field(default_factory=dict)
+    per_row_accept_length: list[float] = field(default_factory=list)
+    per_row_judged: list[int] = field(default_factory=list)
+    per_row_accepted: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    other_seconds: float = 0.0
+    plain_decode_estimate_seconds: float | None = None
+    overshoot_by_position: list[dict] = field(default_factory=list)
+
+    @property
+    def accept_length(self) -> float:
+        return self.step_tokens / max(self.row_steps, 1)
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / r if r else float("nan") for a, r in zip(self.accepted, self.reached)]
+
+
+@dataclass
+class SpeculativeResult(GenerationResult):
+    stats: SpeculationStats = field(default_factory=SpeculationStats)
