@@ -253,7 +253,7 @@ def cmd_bench(args) -> int:
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
         rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
                         json_path=args.json, hf=not args.no_hf, workload=args.workload,
-                        reuse=args.reuse)
+                        reuse=args.reuse, drafts=tuple(args.drafts.split(",")))
         return 0
     if args.what == "generation":
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
@@ -339,6 +339,8 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
                    help="rollout: the RL prompt mix, or its long tail (long copy answers)")
+    b.add_argument("--drafts", default="eagle3",
+                   help="rollout: comma-separated draft kinds to measure (eagle3, block), one row each")
     b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
     b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
     b.add_argument("--layouts", default="single,single@2,cp2,pp2",

@@ -106,7 +106,7 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             timers[name].add(engine.generate(prompts, sampling, generator=gen))
     spec_stats = [res.stats for res in timers["spec"].results]
     tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
-    draft_s = cost.draft_cost(batch_size, math.ceil(tau)) + (gamma - 1) * cost.draft_cost(batch_size, 1)
+    draft_s = draft_step_seconds(cost, controller.block_drafter, batch_size, gamma, math.ceil(tau))
     ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1) + draft_s)
     gamma_mix: dict[int, int] = {}
     for res in timers["adaptive"].results:
@@ -124,7 +124,19 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "spec_time_split": {"draft": last.draft_seconds, "verify": last.verify_seconds,
                                 "other": last.other_seconds},
             "verify_cost_ratio": cost.verify_cost(batch_size, gamma + 1) / cost.verify_cost(batch_size, 1),
-            "draft_cost_ratio": cost.draft_cost(batch_size, 1) / cost.verify_cost(batch_size, 1)}
+            "draft_cost_ratio": cost.draft_cost(batch_size, 1) / cost.verify_cost(batch_size, 1),
+            # the calibrated drafting time of a step at each gamma (a catch-up of 1 entry), over
+            # one plain decode forward: how the draft's cost grows with the block
+            "draft_step_over_decode_by_gamma": {
+                str(g): draft_step_seconds(cost, controller.block_drafter, batch_size, g, 1)
+                / cost.verify_cost(batch_size, 1) for g in range(1, gamma + 1)}}
+
+
+def draft_step_seconds(cost, block: bool, n: int, gamma: int, catch_up: int) -> float:
+    """A drafting step's calibrated seconds: the catch-up of `catch_up` entries, then gamma - 1
+    single-entry calls (autoregressive) or one block forward of gamma positions (block)."""
+    rest = cost.block_cost(n, gamma) if block else (gamma - 1) * cost.draft_cost(n, 1)
+    return cost.draft_cost(n, catch_up) + rest
 
 
 def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,
@@ -159,11 +171,11 @@ def load_hf_pair(policy_dir, draft_lm_dir, gamma: int, dtype: torch.dtype = torc
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'adapt tok/s':>11} "
+    head = (f"{'draft':>6} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'adapt tok/s':>11} "
             f"{'adapt x':>8} {'tau':>5} {'ideal':>6} {'meas/ideal':>10}  adaptive gammas")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r['batch_size']:>5} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} "
+        lines.append(f"{r.get('draft', 'eagle3'):>6} {r['batch_size']:>5} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} "
                      f"{r['speedup']:>7.2f}x {r['adaptive_tok_s']:>11.1f} {r['adaptive_speedup']:>7.2f}x "
                      f"{r['accept_length']:>5.2f} {r['ideal_speedup']:>5.2f}x {r['measured_over_ideal']:>10.2f}"
                      f"  {r['adaptive_gamma_counts']}")
@@ -178,6 +190,7 @@ class _BenchInputs:
     start_policy: torch.nn.Module  # the starting policy as loaded: the drafts are trained on it
     policy: torch.nn.Module  # the copy every method decodes with
     eagle: torch.nn.Module  # the EAGLE-3 draft, at the same dtype
+    drafts: dict[str, torch.nn.Module]  # every draft measured, by kind (eagle3, block), same dtype
     data: TaskData  # prompts, tokenizer and its stop ids
     sampling: SamplingConfig
     device: torch.device
@@ -203,16 +216,19 @@ class _BenchInputs:
 
 
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
-            hf: bool = True, workload: str = "tasks", reuse: bool = False) -> dict:
-    """Train (or reuse) the SFT policy and both drafts under cfg.out_dir, then measure.
+            hf: bool = True, workload: str = "tasks", reuse: bool = False,
+            drafts: tuple[str, ...] = ("eagle3",)) -> dict:
+    """Train (or reuse) the SFT policy and the drafts under cfg.out_dir, then measure: one row per
+    draft kind (``drafts``: eagle3, block) and batch size, each with a ``draft`` field.
     ``reuse``: keep them even when made with other settings (`cospec.artifacts`)."""
-    run = _load_inputs(cfg, quick=quick, workload=workload, reuse=reuse)
+    run = _load_inputs(cfg, quick=quick, workload=workload, reuse=reuse, drafts=drafts)
     rows = []
     for B in batch_sizes:
         prompts = run.prompts(max(16 if quick else 24, 2 * B) // (2 if quick else 1))
-        rows.append(run.bench(run.eagle, prompts, batch_size=B,
-                              overshoot_every=run.cfg.rollout.overshoot_every))
-        print(format_table(rows[-1:]).splitlines()[-1], flush=True)
+        for kind, draft in run.drafts.items():
+            rows.append({"draft": kind, **run.bench(draft, prompts, batch_size=B,
+                                                    overshoot_every=run.cfg.rollout.overshoot_every)})
+            print(format_table(rows[-1:]).splitlines()[-1], flush=True)
     out = {"results": rows}
     if hf and run.cfg.model.path:
         out.update(_hf_plain_on_the_checkpoint(run))
@@ -227,9 +243,10 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     return out
 
 
-def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool) -> _BenchInputs:
-    """The starting policy and its EAGLE-3 draft (trained or reused), at the rollout dtype; prints
-    what is measured."""
+def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool,
+                 drafts: tuple[str, ...] = ("eagle3",)) -> _BenchInputs:
+    """The starting policy, its EAGLE-3 draft and the other drafts asked for (trained or reused),
+    at the rollout dtype; prints what is measured."""
     from cospec.artifacts import load_or_train_draft, load_policy, pick_device
     from cospec.config import apply
     from cospec.models.loading import inference_copy
@@ -239,17 +256,23 @@ def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool) -> 
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
     eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data,
                                    reuse=reuse)
+    others = {kind: load_or_train_draft(apply(cfg, {"draft": {"kind": kind}}), policy, data=data,
+                                        reuse=reuse)[0] for kind in drafts if kind != "eagle3"}
     if cfg.rollout.dtype:  # every method, HF's included, decodes at the rollout dtype
         policy, eagle = inference_copy(policy, cfg.rollout.dtype), inference_copy(eagle, cfg.rollout.dtype)
+        others = {k: inference_copy(d, cfg.rollout.dtype) for k, d in others.items()}
         cfg = apply(cfg, {"model": {"dtype": cfg.rollout.dtype}})
+    measured = {kind: eagle if kind == "eagle3" else others[kind] for kind in drafts}
     s = cfg.sampling
     sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               max_new_tokens=s.max_new_tokens)
-    print(f"policy {policy.num_params() / 1e6:.2f}M params, EAGLE-3 draft "
-          f"{sum(p.numel() for p in eagle.parameters()) / 1e6:.2f}M, gamma {cfg.rollout.gamma}, "
+    sizes = ", ".join(f"{k} draft {sum(p.numel() for p in d.parameters()) / 1e6:.2f}M"
+                      for k, d in measured.items())
+    print(f"policy {policy.num_params() / 1e6:.2f}M params, {sizes}, gamma {cfg.rollout.gamma}, "
           f"temperature {s.temperature}, workload {workload}, dtype {cfg.model.dtype}, "
           f"threads {torch.get_num_threads()}, device {device}")
-    return _BenchInputs(cfg=cfg, start_policy=start.policy, policy=policy, eagle=eagle, data=data,
+    return _BenchInputs(cfg=cfg, start_policy=start.policy, policy=policy, eagle=eagle,
+                        drafts=measured, data=data,
                         sampling=sampling, device=device, quick=quick, workload=workload)
 
 
@@ -310,6 +333,10 @@ def _meta(run: _BenchInputs) -> dict:
     config = run.cfg.to_dict()
     return {"model": config["model"], "task": config["task"],
             "draft_vocab_size": run.eagle.draft_vocab_size, "gamma": run.gamma,
+            "drafts": {k: {"layers": len(d.layers), "params": sum(p.numel() for p in d.parameters()),
+                           "correction": getattr(d, "has_correction", False),
+                           "confidence": getattr(d, "has_confidence", False)}
+                       for k, d in run.drafts.items()},
             "sampling": config["sampling"],
             "torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads(), "device": str(run.device), "quick": run.quick,

@@ -10,10 +10,19 @@ from cospec.config.sections import _check
 
 @dataclass(frozen=True, kw_only=True)
 class DraftConfig:
-    #: "eagle3" (one decoder layer on the policy's tapped features) or "lm" (a standalone small causal LM)
+    #: "eagle3" (one decoder layer on the policy's tapped features, drafting a token per
+    #: forward), "block" (a small stack on the same features drafting the whole block in one
+    #: forward, DFlash style) or "lm" (a standalone small causal LM)
     kind: str = "eagle3"
-    #: policy layers whose outputs the eagle3 draft reads (low, mid, high; empty = 1, L/2-1, L-4)
+    #: policy layers whose outputs the eagle3 or block draft reads (low, mid, high; empty = 1, L/2-1, L-4)
     tap_layers: tuple[int, ...] = ()
+    #: decoder layers of the block draft
+    block_layers: int = 1
+    #: block draft: DSpark's sequential correction (each position told the token drafted before it)
+    block_correction: bool = True
+    #: block draft: DSpark's confidence head, from which the adaptive controller picks how many of
+    #: the drafted tokens to verify
+    block_confidence: bool = True
     #: SwiGLU inner size of the draft layer(s) (0 = the policy's)
     intermediate_size: int = 0
     #: eagle3: rows of the draft's LM head, the most frequent tokens of the policy's own samples
@@ -36,9 +45,10 @@ class DraftConfig:
     lr: float = 2e-3
     #: offline training: prompts the policy answers to make the training data
     num_train_prompts: int = 1024
-    #: training-time-test unroll depth (EAGLE-3): steps ahead the draft is trained for
+    #: training-time-test unroll depth (EAGLE-3): steps ahead the draft is trained for; for the
+    #: block draft, the block positions trained (set it to rollout.gamma)
     ttt_steps: int = 3
-    #: loss weight of TTT step j is ttt_decay^(j-1)
+    #: loss weight of TTT step (or block position) j is ttt_decay^(j-1)
     ttt_decay: float = 0.8
     #: torch manual seed of draft init and training
     seed: int = 0
@@ -70,14 +80,16 @@ class DraftConfig:
         _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
         _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
         _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
-        _check(self.kind in ("eagle3", "lm"), "draft.kind", f"must be eagle3 or lm, got {self.kind!r}")
+        _check(self.kind in ("eagle3", "block", "lm"), "draft.kind",
+               f"must be eagle3, block or lm, got {self.kind!r}")
+        _check(self.block_layers > 0, "draft.block_layers", "must be positive")
         _check(len(self.tap_layers) in (0, 3), "draft.tap_layers",
                f"must name 3 layers (low, mid, high) or none for the default, got {list(self.tap_layers)}")
         _check(all(t >= 0 for t in self.tap_layers), "draft.tap_layers", "must be >= 0")
         _check(self.intermediate_size >= 0, "draft.intermediate_size", "must be >= 0")
         _check(self.vocab_size >= 0, "draft.vocab_size", f"must be >= 0, got {self.vocab_size}")
-        _check(self.vocab_size == 0 or self.kind == "eagle3", "draft.vocab_size",
-               "a reduced draft vocabulary is for draft.kind=eagle3 (set 0 for lm)")
+        _check(self.vocab_size == 0 or self.kind != "lm", "draft.vocab_size",
+               "a reduced draft vocabulary is for draft.kind=eagle3 or block (set 0 for lm)")
         _check(self.lm_num_layers > 0, "draft.lm_num_layers", "must be positive")
         for n in ("train_steps", "tokens_per_batch", "num_train_prompts", "ttt_steps"):
             _check(getattr(self, n) > 0, f"draft.{n}", f"must be positive, got {getattr(self, n)}")

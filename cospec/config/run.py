@@ -30,8 +30,8 @@ class RunConfig:
                "device", f"must be auto, cpu or cuda[:N], got {self.device!r}")
         _check(self.draft.mode == "frozen" or self.rollout.speculative, "draft.mode",
                f"{self.draft.mode} needs speculative rollouts (rollout.speculative=true)")
-        _check(self.draft.mode != "cotrain" or self.draft.kind == "eagle3", "draft.mode",
-               "cotrain trains an eagle3 draft on the policy's features (draft.kind=eagle3)")
+        _check(self.draft.mode != "cotrain" or self.draft.kind != "lm", "draft.mode",
+               "cotrain trains a draft on the policy's features (draft.kind=eagle3 or block)")
         if not self.model.path:  # else model.* is known once the checkpoint is read
             self.check_against_model()
         p = self.parallel
@@ -70,6 +70,8 @@ def _gated_fields(cfg: RunConfig) -> list[tuple[str, str, bool]]:
     rows += [(f"draft.{n}", "draft.mode=cotrain", d.mode == "cotrain")
              for n in ("cotrain_every", "cotrain_iters", "cotrain_lr", "cotrain_max_tokens")]
     rows.append(("draft.oracle_every", "draft.mode=oracle", d.mode == "oracle"))
+    rows += [(f"draft.{n}", "draft.kind=block", d.kind == "block")
+             for n in ("block_layers", "block_correction", "block_confidence")]
     rows += [(f"parallel.{n}", "parallel.pp > 1", p.pp > 1) for n in ("microbatches", "schedule")]
     rows += [(f"task.{n}", "task.source=math", cfg.task.source == "math")
              for n in ("math_types", "math_levels")]

@@ -25,7 +25,8 @@ from cospec.draft.losses import compress_to_head, masked_mean, soft_cross_entrop
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
-from cospec.models.draft import Eagle3Draft, default_tap_layers, draft_model_config
+from cospec.models.block_draft import BlockDraft
+from cospec.models.draft import Eagle3Draft, TappedDraft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
 from cospec.models.loading import inference_copy
 from cospec.rollout.engine import GenerationEngine
@@ -57,7 +58,7 @@ def trainable_parameters(draft, cfg: RunConfig) -> list[torch.nn.Parameter]:
 
 
 def build_draft(cfg: RunConfig, policy: Transformer,
-                vocab_ids: torch.Tensor | None = None) -> Eagle3Draft | Transformer:
+                vocab_ids: torch.Tensor | None = None) -> TappedDraft | Transformer:
     """A fresh draft of kind ``draft.kind`` for `policy` (seeded by ``draft.seed``); vocab_ids: a
     reduced draft vocabulary (`draft_vocabulary`)."""
     d = cfg.draft
@@ -66,6 +67,11 @@ def build_draft(cfg: RunConfig, policy: Transformer,
         return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers,
                                        intermediate_size=d.intermediate_size,
                                        init_from_policy=d.init_from_policy, vocab_ids=vocab_ids)
+    if d.kind == "block":
+        return BlockDraft.from_policy(policy, tap_layers=d.tap_layers, num_layers=d.block_layers,
+                                      intermediate_size=d.intermediate_size,
+                                      init_from_policy=d.init_from_policy, vocab_ids=vocab_ids,
+                                      correction=d.block_correction, confidence=d.block_confidence)
     lm = Transformer(draft_model_config(policy.config, num_layers=d.lm_num_layers,
                                         intermediate_size=d.intermediate_size))
     if d.init_from_policy:
@@ -141,7 +147,7 @@ def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple
 
 
 def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data: TaskData | None = None,
-                        progress: bool = True) -> tuple[Eagle3Draft | Transformer, dict]:
+                        progress: bool = True) -> tuple[TappedDraft | Transformer, dict]:
     """Steps 1-3; returns the trained draft and metrics (loss history, per-step acceptance).
     data: the prompts and tokenizer (default: the run's, `task_data`)."""
     d = cfg.draft
@@ -169,7 +175,7 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
                 g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),
                                 total=d.train_steps, min_ratio=0.1)
             batch = batches[order.randrange(len(batches))]
-            if isinstance(draft, Eagle3Draft):
+            if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
                 loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
                                       temperature=cfg.sampling.temperature)
             else:
@@ -190,20 +196,27 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
 
 
 def draft_dir(cfg: RunConfig, kind: str | None = None):
-    """Where `cospec draft-train` keeps a draft of this kind: out_dir/draft or out_dir/draft_lm."""
+    """Where `cospec draft-train` keeps a draft of this kind: out_dir/draft (EAGLE-3),
+    out_dir/draft_block or out_dir/draft_lm."""
     from pathlib import Path
 
-    return Path(cfg.out_dir) / ("draft" if (kind or cfg.draft.kind) == "eagle3" else "draft_lm")
+    kind = kind or cfg.draft.kind
+    return Path(cfg.out_dir) / ("draft" if kind == "eagle3" else f"draft_{kind}")
 
 
 def draft_fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
     """Whether a loaded draft is the one `build_draft` would make for this config and policy."""
     d = cfg.draft
-    if d.kind == "eagle3":
-        return (isinstance(draft, Eagle3Draft) and draft.policy_config == policy.config
+    if d.kind in ("eagle3", "block"):
+        fits = (draft.policy_config == policy.config
                 and draft.tap_layers == (d.tap_layers or default_tap_layers(policy.config.num_layers))
                 and draft.config.intermediate_size == (d.intermediate_size
                                                        or policy.config.intermediate_size)
                 and draft.draft_vocab_size == (d.vocab_size or policy.config.vocab_size))
+        if d.kind == "eagle3":
+            return isinstance(draft, Eagle3Draft) and fits
+        return (isinstance(draft, BlockDraft) and fits and len(draft.layers) == d.block_layers
+                and draft.has_correction == d.block_correction
+                and draft.has_confidence == d.block_confidence)
     return isinstance(draft, Transformer) and draft.config == draft_model_config(
         policy.config, num_layers=d.lm_num_layers, intermediate_size=d.intermediate_size)

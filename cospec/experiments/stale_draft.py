@@ -139,7 +139,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
     if draft is None:
-        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy,
+        kind = "eagle3" if cfg.draft.kind == "lm" else cfg.draft.kind  # eagle3 or block
+        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": kind}}), policy,
                                        data=TaskData.from_config(cfg.task, tokenizer), reuse=reuse)
     trainers = {}
     for mode in modes:

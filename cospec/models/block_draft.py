@@ -27,6 +27,7 @@ Heads, for position i with y_0 = s_n and y_i = x_{i-1}, the token drafted at pos
   draft i is accepted once drafts 0..i-1 were. Its input is detached: it is a probe of the draft,
   trained to 1 - TV(p_i, q_i) (that probability exactly, Leviathan et al. 2211.17192, Sec. 3.5),
   and cannot pull the draft's features towards being easy to judge.
+The math, restated: docs/design.md, "Block drafter (DFlash, DSpark)".
 """
 
 from __future__ import annotations

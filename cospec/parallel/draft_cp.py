@@ -22,7 +22,7 @@ from torch import Tensor
 
 from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTSteps, ttt_loss_on_steps
-from cospec.models.draft import Eagle3Draft
+from cospec.models.draft import TappedDraft
 from cospec.parallel.ring_attention import ring_trunk_branch_attention
 from cospec.parallel.zigzag import ZigzagLayout
 
@@ -43,7 +43,7 @@ def _all_reduced(count: Tensor, group) -> Tensor:
     return count
 
 
-def ttt_loss_cp(draft: Eagle3Draft, steps: TTTSteps, layout: ZigzagLayout, *, rank: int,
+def ttt_loss_cp(draft: TappedDraft, steps: TTTSteps, layout: ZigzagLayout, *, rank: int,
                 group: dist.ProcessGroup | None = None, **loss_kwargs) -> tuple[Tensor, dict]:
     """This rank's share of `ttt_loss` (a collective over ``group``): the ranks' values sum to the
     cp = 1 loss. ``steps``: `ttt_steps` of the whole packed row (the same on every rank)."""
