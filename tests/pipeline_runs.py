@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from cospec.config import ModelConfig
 from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.parallel.pipeline import (Microbatch, PipelineStep, PipeTransport, build_stage,
@@ -38,9 +39,11 @@ def tiny_policy() -> Transformer:
     return Transformer(TINY)
 
 
-def tiny_draft(policy: Transformer) -> Eagle3Draft:
-    """Taps (1, 2, 3): EAGLE-3's default low/mid/high for 6 layers."""
+def tiny_draft(policy: Transformer, kind: str = "eagle3") -> Eagle3Draft | BlockDraft:
+    """Taps (1, 2, 3): EAGLE-3's default low/mid/high for 6 layers (the block draft's too)."""
     torch.manual_seed(1)
+    if kind == "block":
+        return BlockDraft.from_policy(policy, num_layers=2)
     return Eagle3Draft.from_policy(policy)
 
 
@@ -166,7 +169,7 @@ def _grads(module) -> dict:
 
 
 def reference_step(policy: Transformer, mbs: list[Microbatch], tap_layers=(),
-                   draft: Eagle3Draft | None = None) -> dict:
+                   draft: Eagle3Draft | BlockDraft | None = None) -> dict:
     """The same step on one process, pp=1: the policy's loss and grads from one packed forward of
     the whole step (independent of the microbatch split); per microbatch the taps and, when a draft
     is given, its TTT loss (mean over microbatches) and grads."""

@@ -77,19 +77,21 @@ def test_schedules_run_each_microbatch_forward_then_backward_in_order(kind):
                 assert max(in_flight) == (min(P - s, M) if kind == "1f1b" else M)
 
 
-def test_pp1_step_with_draft_co_training_equals_the_plain_model(one_thread):
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_pp1_step_with_draft_co_training_equals_the_plain_model(one_thread, kind):
     """One stage, no process group: the executor, the channel's local taps and the draft's TTT loss
-    against `reference_step` (same tolerances as the multi-process cases)."""
+    (EAGLE-3's, or the block draft's) against `reference_step` (same tolerances as the
+    multi-process cases)."""
     torch.manual_seed(0)
     mbs = random_microbatches(3)
     policy = tiny_policy()
-    ref = reference_step(policy, mbs, draft=tiny_draft(policy))
+    ref = reference_step(policy, mbs, draft=tiny_draft(policy, kind))
     model = build_stage(policy, range(TINY.num_layers), stage=0, num_stages=1)
     channel = TapChannel(None, stage=0, stage_layers=[range(TINY.num_layers)], tap_layers=(1, 2, 3),
                          max_microbatches=3, max_tokens=max(len(mb.tokens) for mb in mbs),
                          hidden_size=TINY.hidden_size)
     channel.attach(model)
-    draft = tiny_draft(policy)
+    draft = tiny_draft(policy, kind)
     co_train = DraftCoTraining(draft, channel, num_ttt_steps=2)
     step = PipelineStep(model, PipeTransport(None, 0, 1),
                         lambda lg, mb: token_nll(lg, mb, num_step_tokens=num_step_tokens(mbs)),
