@@ -229,7 +229,11 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
             rows.append({"draft": kind, **run.bench(draft, prompts, batch_size=B,
                                                     overshoot_every=run.cfg.rollout.overshoot_every)})
             print(format_table(rows[-1:]).splitlines()[-1], flush=True)
-    out = {"results": rows}
+    out = {"results": rows, "acceptance_by_family": {}}
+    for kind, draft in run.drafts.items():
+        out["acceptance_by_family"][kind] = by_family = acceptance_by_family(run, draft)
+        print(f"{kind} acceptance by family (tau; drafts accepted / judged): " + ", ".join(
+            f"{f} {v['accept_length']:.2f}; {v['acceptance']:.2f}" for f, v in by_family.items()))
     if hf and run.cfg.model.path:
         out.update(_hf_plain_on_the_checkpoint(run))
     elif hf:
@@ -240,6 +244,27 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     if json_path:
         with open(json_path, "w") as f:
             json.dump(out, f, indent=2)
+    return out
+
+
+def acceptance_by_family(run: _BenchInputs, draft, *, per_family: int = 16, seed: int = 99) -> dict:
+    """{family: {accept_length, acceptance, num_prompts}}: the draft at the run's gamma (fixed)
+    on ``per_family`` prompts of each family of the prompt source, at batch 16."""
+    rng = random.Random(seed)
+    families = run.data.source.family_names
+    examples = [run.data.source.sample_family(f, rng) for f in families for _ in range(per_family)]
+    engine = SpeculativeEngine(run.policy, draft, batch_size=16, gamma=run.gamma,
+                               stop_ids=run.data.tokenizer.stop_ids)
+    with torch.inference_mode():
+        stats = engine.generate([run.data.prompt_ids(e) for e in examples], run.sampling,
+                                generator=torch.Generator(device=run.device).manual_seed(seed)).stats
+    out = {}
+    for f in families:
+        rows = [i for i, e in enumerate(examples) if e.family == f]
+        judged = sum(stats.per_row_judged[i] for i in rows)
+        out[f] = {"accept_length": sum(stats.per_row_accept_length[i] for i in rows) / len(rows),
+                  "acceptance": sum(stats.per_row_accepted[i] for i in rows) / max(judged, 1),
+                  "num_prompts": len(rows)}
     return out
 
 
