@@ -34,31 +34,26 @@ def block_unroll(draft: BlockDraft, steps, cu_seqlens: Tensor,
     """(logits [T, Vd] per block position, confidence [T] per block position or None).
     steps: a `cospec.draft.ttt.TTTSteps` (not imported: that module imports this one)."""
     cfg, G = draft.config, steps.tokens_JT.shape[0]
-    dtype = draft.fc.weight.dtype
+    T, dtype = steps.tokens_JT.shape[1], draft.fc.weight.dtype
     context = draft.fc(steps.feat_raw_TF)[None]  # [1, T, C]
-    cos0, sin0 = rope_cos_sin(steps.positions_T[None], cfg)
-    ropes = [tuple(x.to(dtype) for x in rope_cos_sin((steps.positions_T + i)[None], cfg))
-             for i in range(G)]
+    cos0, sin0 = (x.to(dtype) for x in rope_cos_sin(steps.positions_T[None], cfg))
+    # RoPE of block position i at anchor t: position t + i; [G, 1, T, D], one row per i
+    offsets = torch.arange(G, device=steps.positions_T.device)
+    cos, sin = (x.to(dtype) for x in rope_cos_sin(steps.positions_T[None] + offsets[:, None], cfg))
     # [G, T, C]: position 0 reads the anchor token, the others the mask embedding
     x = draft.block_inputs(steps.tokens_JT[0], G).transpose(0, 1)
     for lid, layer in draft.layers.items():
         attn = layer.self_attn
-        trunk_k, trunk_v = draft.context_kv(int(lid), context, cos0.to(dtype), sin0.to(dtype))
-        h = layer.input_layernorm(x)
-        qs, ks, vs = [], [], []
-        for i in range(G):
-            q = attn.q_proj(h[i]).view(-1, attn.num_heads, attn.head_dim).transpose(0, 1)[None]
-            k = attn.k_proj(h[i]).view(-1, attn.num_kv_heads, attn.head_dim).transpose(0, 1)[None]
-            cos, sin = ropes[i]
-            qs.append(apply_rope(q, cos, sin)[0])
-            ks.append(apply_rope(k, cos, sin)[0])
-            vs.append(attn.v_proj(h[i]).view(-1, attn.num_kv_heads, attn.head_dim).transpose(0, 1))
+        trunk_k, trunk_v = draft.context_kv(int(lid), context, cos0, sin0)
+        h = layer.input_layernorm(x)  # all G positions through each projection at once
+        q = apply_rope(attn.q_proj(h).view(G, T, attn.num_heads, -1).transpose(1, 2), cos, sin)
+        k = apply_rope(attn.k_proj(h).view(G, T, attn.num_kv_heads, -1).transpose(1, 2), cos, sin)
+        v = attn.v_proj(h).view(G, T, attn.num_kv_heads, -1).transpose(1, 2)
         outs = []
-        for i in range(G):
-            out, _ = attention(qs[i], trunk_k[0], trunk_v[0], cu_seqlens,
-                               torch.stack(ks[:i + 1]), torch.stack(vs[:i + 1]))
-            outs.append(attn.o_proj(out.to(dtype).transpose(0, 1).reshape(out.shape[1], -1)))
-        x = x + torch.stack(outs)
+        for i in range(G):  # position i: the context (trunk) and block keys 0..i (branch)
+            out, _ = attention(q[i], trunk_k[0], trunk_v[0], cu_seqlens, k[:i + 1], v[:i + 1])
+            outs.append(out.to(dtype).transpose(0, 1).reshape(T, -1))
+        x = x + attn.o_proj(torch.stack(outs))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     logits, confidence = [], []
     for i in range(G):
