@@ -33,15 +33,19 @@ def _config_args(p: argparse.ArgumentParser, *, reuse: bool = True) -> None:
                             "with other settings (default: rebuild them, naming the settings)")
 
 
-def _resolve(args, *, checkpoint_required: bool = True) -> RunConfig:
+def _resolve(args, *, checkpoint_required: bool = True, switched_on: tuple[str, ...] = ()) -> RunConfig:
     """Recipe, file, overrides; then a checkpoint's architecture where model.path names one.
     Without `checkpoint_required` (``cospec config``), a checkpoint that cannot be read leaves the
-    config as typed, with a warning: a recipe validates before its model is installed."""
+    config as typed, with a warning: a recipe validates before its model is installed.
+    ``switched_on``: switches the command sets itself whatever the config says (the rollout
+    benchmark speculates and builds its --drafts; the experiments run speculative and co-training
+    modes), so no field is reported as without effect for lack of them."""
     from cospec.models.loading import with_checkpoint_model
 
     cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
     for warning in config_mod.no_effect_warnings(cfg):
-        print(f"cospec: warning: {warning}", file=sys.stderr)
+        if not any(warning.endswith(f"without {switch}") for switch in switched_on):
+            print(f"cospec: warning: {warning}", file=sys.stderr)
     try:
         return with_checkpoint_model(cfg)
     except ConfigError:  # a field that does not fit the checkpoint's architecture
@@ -74,11 +78,15 @@ def cmd_sft(args) -> int:
     return 0
 
 
+#: what the demo and the stale-draft experiment switch on in their modes
+EXPERIMENT_SWITCHES = ("rollout.speculative=true", "draft.mode=cotrain")
+
+
 def cmd_demo(args) -> int:
     """The main job (`cospec.experiments.demo`) on the resolved config."""
     from cospec.experiments.demo import run_demo
 
-    run_demo(_resolve(args), reuse=args.reuse, command="cospec demo " + " ".join(args.overrides))
+    run_demo(_resolve(args, switched_on=EXPERIMENT_SWITCHES), reuse=args.reuse, command="cospec demo " + " ".join(args.overrides))
     return 0
 
 
@@ -233,7 +241,7 @@ def _train(cfg, args, group) -> int:
 def cmd_experiment(args) -> int:
     from cospec.experiments import stale_draft
 
-    cfg = _resolve(args)
+    cfg = _resolve(args, switched_on=EXPERIMENT_SWITCHES)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in stale_draft.MODES]
     if unknown:
@@ -249,11 +257,16 @@ def cmd_bench(args) -> int:
     if args.what == "rollout":
         from cospec.bench import rollout
 
-        cfg = _resolve(args)
+        drafts = tuple(args.drafts.split(","))
+        unknown = set(drafts) - {"eagle3", "block", "lm"}
+        if unknown:
+            raise ConfigError(f"--drafts: unknown draft kind(s) {sorted(unknown)} (eagle3, block, lm)")
+        cfg = _resolve(args, switched_on=("rollout.speculative=true",
+                                          *(f"draft.kind={k}" for k in drafts)))
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
         rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
                         json_path=args.json, hf=not args.no_hf, workload=args.workload,
-                        reuse=args.reuse, drafts=tuple(args.drafts.split(",")))
+                        reuse=args.reuse, drafts=drafts)
         return 0
     if args.what == "generation":
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")

@@ -43,7 +43,7 @@ def tiny_draft(policy: Transformer, kind: str = "eagle3") -> Eagle3Draft | Block
     """Taps (1, 2, 3): EAGLE-3's default low/mid/high for 6 layers (the block draft's too)."""
     torch.manual_seed(1)
     if kind == "block":
-        return BlockDraft.from_policy(policy, num_layers=2)
+        return BlockDraft.from_policy(policy, num_layers=2, correction=True)
     return Eagle3Draft.from_policy(policy)
 
 

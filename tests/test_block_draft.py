@@ -118,7 +118,7 @@ def test_the_decoding_path_proposes_what_training_computes():
     unroll's logits at the same anchor: the draft is used as it is trained."""
     policy = make_policy(CFG)
     torch.manual_seed(4)
-    draft = trained_like(BlockDraft.from_policy(policy, num_layers=2)).eval()
+    draft = trained_like(BlockDraft.from_policy(policy, num_layers=2, correction=True)).eval()
     batch = packed_batch(policy, draft, [6, 9])
     G = 4
     steps = ttt_steps(draft, batch, G)
@@ -151,10 +151,11 @@ def test_the_decoding_path_proposes_what_training_computes():
     assert cache.lengths_B.tolist() == [a + 1 for a in anchors]  # the block is not kept
 
 
-def trained_tiny_block_draft(policy, vocab_ids=None, steps=80):
+def trained_tiny_block_draft(policy, vocab_ids=None, steps=80, correction=False):
     """A block draft fitted on the policy's own samples: (draft, last metrics)."""
     torch.manual_seed(2)
-    return fit_tiny_draft(policy, BlockDraft.from_policy(policy, vocab_ids=vocab_ids), steps)
+    draft = BlockDraft.from_policy(policy, vocab_ids=vocab_ids, correction=correction)
+    return fit_tiny_draft(policy, draft, steps)
 
 
 def confident_controller(gamma):
@@ -183,7 +184,9 @@ def test_block_speculative_samples_follow_the_exact_sequence_distribution(varian
     confidence-scheduled variant verifies a confidence-chosen prefix of each block."""
     policy = make_policy(TINY, std=0.5, seed=4)
     reduced = torch.tensor([0, 1, EOS])
-    draft, _ = trained_tiny_block_draft(policy, reduced if variant == "trained-reduced" else None)
+    # the sequential correction (heads drawn one position at a time) in the plain "trained" cases
+    draft, _ = trained_tiny_block_draft(policy, reduced if variant == "trained-reduced" else None,
+                                        correction=variant == "trained")
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
     prompts = [[BOS, 4, 5], [BOS]]
     controller = confident_controller(gamma) if variant == "confidence-scheduled" else None

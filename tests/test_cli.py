@@ -126,13 +126,16 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
         "none", "frozen", "cotrain-tv"}
 
 
-def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path):
+def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     """`--drafts eagle3,block`: one row per draft kind and batch size (a ``draft`` field), each
-    draft trained in its own directory, and the acceptance by task family of each."""
+    draft trained in its own directory, and the acceptance by task family of each. The rollout.*
+    and block fields are read (the benchmark speculates with each kind): no warning says not."""
     out, path = tmp_path / "run", tmp_path / "bench.json"
     assert main(["bench", "rollout", "--quick", "--no-hf", "--batch-sizes", "2",
                  "--drafts", "eagle3,block", "--json", str(path), *TINY, f"out_dir={out}",
-                 "rollout.gamma=2", "draft.ttt_steps=2"]) == 0
+                 "rollout.gamma=2", "draft.ttt_steps=2", "draft.block_layers=1",
+                 "draft.block_confidence=false"]) == 0
+    assert "has no effect" not in capsys.readouterr().err
     result = json.loads(path.read_text())
     assert [(r["draft"], r["batch_size"]) for r in result["results"]] == [("eagle3", 2), ("block", 2)]
     assert all(r["accept_length"] >= 1 and set(r["draft_step_over_decode_by_gamma"]) == {"1", "2"}
@@ -140,7 +143,7 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path):
     assert (out / "draft").is_dir() and (out / "draft_block").is_dir()
     families = result["acceptance_by_family"]
     assert set(families) == {"eagle3", "block"} and set(families["block"]) == set(families["eagle3"])
-    assert result["meta"]["drafts"]["block"]["confidence"] is True
+    assert result["meta"]["drafts"]["block"]["confidence"] is False
 
 
 def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):

@@ -29,7 +29,7 @@ def _setup(kind):
     policy = Transformer(CFG).double()
     policy.reset_parameters(std=0.3)
     if kind == "block":  # two layers, both heads, the correction made non-trivial
-        draft = BlockDraft.from_policy(policy.eval(), num_layers=2)
+        draft = BlockDraft.from_policy(policy.eval(), num_layers=2, correction=True)
         with torch.no_grad():
             draft.correction.weight.normal_(std=0.1)
     else:

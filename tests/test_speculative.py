@@ -60,7 +60,7 @@ def drafts_for(policy):
             p.add_(0.01 * torch.randn_like(p))
     # block drafts: parallel heads; with DSpark's correction (made non-trivial) and confidence
     block = BlockDraft.from_policy(policy, num_layers=2, correction=False, confidence=False)
-    corrected = BlockDraft.from_policy(policy)
+    corrected = BlockDraft.from_policy(policy, correction=True)
     with torch.no_grad():
         corrected.correction.weight.normal_(std=0.1)
     block_reduced = BlockDraft.from_policy(policy, vocab_ids=reduced.vocab_ids)

@@ -16,10 +16,12 @@ class DraftConfig:
     kind: str = "eagle3"
     #: policy layers whose outputs the eagle3 or block draft reads (low, mid, high; empty = 1, L/2-1, L-4)
     tap_layers: tuple[int, ...] = ()
-    #: decoder layers of the block draft
+    #: decoder layers of the block draft (chosen by measurement: docs/results/block_drafter.md)
     block_layers: int = 1
-    #: block draft: DSpark's sequential correction (each position told the token drafted before it)
-    block_correction: bool = True
+    #: block draft: DSpark's sequential correction (each position told the token drafted before
+    #: it; its heads then run one position at a time). Off by default: on the long workload it
+    #: made drafting 1.9x dearer from gamma 2 to 8 and tau no higher (docs/results/block_drafter.md)
+    block_correction: bool = False
     #: block draft: DSpark's confidence head, from which the adaptive controller picks how many of
     #: the drafted tokens to verify
     block_confidence: bool = True

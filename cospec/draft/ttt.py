@@ -209,10 +209,11 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         if conf is not None:
             # The block draft's confidence head learns P(accept) = 1 - TV at this position (its
             # input is detached: this term trains the head alone).
+            conf = conf.to(tv_t.dtype)  # fp32, or fp64 like the TV (never down to fp32)
             accept = (1 - tv_t).detach().clamp(0, 1)
-            bce = torch.nn.functional.binary_cross_entropy(conf.float().clamp(1e-6, 1 - 1e-6),
-                                                           accept.float(), reduction="none")
+            bce = torch.nn.functional.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), accept,
+                                                           reduction="none")
             total = total + (bce * mask).sum() / count
             metrics.setdefault("confidence_error", []).append(
-                (((conf.float() - accept).abs() * mask).sum() / count).item())
+                (((conf - accept).abs() * mask).sum() / count).item())
     return total, metrics

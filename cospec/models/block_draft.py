@@ -44,12 +44,12 @@ from cospec.models.llama import DecoderLayer, RMSNorm, Transformer, apply_rope, 
 class BlockDraft(TappedDraft):
     def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
                  num_layers: int = 1, intermediate_size: int = 0, vocab_ids: Tensor | None = None,
-                 correction: bool = True, confidence: bool = True,
+                 correction: bool = False, confidence: bool = True,
                  attn_fn: AttentionCallable = sdpa_attention):
         super().__init__()
         if num_layers < 1:
             raise ValueError(f"a block draft needs at least one layer, got num_layers={num_layers}")
-        self._init_tapped(policy_cfg, tap_layers, vocab_ids)
+        self._init_inputs(policy_cfg, tap_layers)
         self.config = draft_model_config(policy_cfg, num_layers=num_layers,
                                          intermediate_size=intermediate_size)
         self.attn_fn = attn_fn
@@ -57,6 +57,7 @@ class BlockDraft(TappedDraft):
         # Keyed 0..L-1 like the policy's layers, so `KVCache.for_model` sizes the draft's cache.
         self.layers = nn.ModuleDict({str(i): DecoderLayer(self.config, i) for i in range(num_layers)})
         self.context_norms = nn.ModuleDict({str(i): RMSNorm(C, eps) for i in range(num_layers)})
+        self._init_head(vocab_ids)
         self.mask_embedding = nn.Parameter(torch.zeros(C))
         self.correction_norm = RMSNorm(C, eps) if correction else None
         self.correction = nn.Linear(C, C, bias=False) if correction else None

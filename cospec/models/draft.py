@@ -108,8 +108,9 @@ class TappedDraft(nn.Module):
     draft, `cospec.models.block_draft`): the taps, their fusing projection ``fc`` (3C -> C), an
     embedding copied from the policy, and an LM head over the whole or a reduced vocabulary."""
 
-    def _init_tapped(self, policy_cfg: ModelConfig, tap_layers: tuple[int, ...],
-                     vocab_ids: Tensor | None) -> None:
+    def _init_inputs(self, policy_cfg: ModelConfig, tap_layers: tuple[int, ...]) -> None:
+        """The taps, fc and the embedding (a subclass then makes its layers, then `_init_head`:
+        in that order, so the seeded initialisation is EAGLE-3's as it always was)."""
         L = policy_cfg.num_layers
         self.tap_layers = tuple(tap_layers) or default_tap_layers(L)
         if len(self.tap_layers) != 3 or not all(0 <= t < L for t in self.tap_layers):
@@ -119,6 +120,11 @@ class TappedDraft(nn.Module):
         C = policy_cfg.hidden_size
         self.fc = nn.Linear(len(self.tap_layers) * C, C, bias=False)
         self.embed_tokens = nn.Embedding(policy_cfg.vocab_size, C)
+
+    def _init_head(self, vocab_ids: Tensor | None) -> None:
+        """The final norm and the LM head over the whole or a reduced vocabulary."""
+        policy_cfg = self.policy_config
+        C = policy_cfg.hidden_size
         self.norm = RMSNorm(C, policy_cfg.rms_norm_eps)
         vocab_ids = vocab_ids_buffer(vocab_ids, policy_cfg.vocab_size)
         # Saved with the weights (a buffer), so a loaded draft keeps its mapping.
@@ -176,11 +182,12 @@ class Eagle3Draft(TappedDraft):
         covers only the most frequent tokens), the policy ids of the head's rows, strictly
         increasing; None = the policy's whole vocabulary. q is zero outside it."""
         super().__init__()
-        self._init_tapped(policy_cfg, tap_layers, vocab_ids)
+        self._init_inputs(policy_cfg, tap_layers)
         self.config = draft_model_config(policy_cfg, intermediate_size=intermediate_size)
         self.attn_fn = attn_fn
         # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
         self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
+        self._init_head(vocab_ids)
         Transformer.reset_parameters(self)
 
     @classmethod
