@@ -86,7 +86,8 @@ def cmd_demo(args) -> int:
     """The main job (`cospec.experiments.demo`) on the resolved config."""
     from cospec.experiments.demo import run_demo
 
-    run_demo(_resolve(args, switched_on=EXPERIMENT_SWITCHES), reuse=args.reuse, command="cospec demo " + " ".join(args.overrides))
+    run_demo(_resolve(args, switched_on=EXPERIMENT_SWITCHES), reuse=args.reuse,
+             command="cospec demo " + " ".join(args.overrides))
     return 0
 
 

@@ -132,7 +132,8 @@ def test_the_decoding_path_proposes_what_training_computes():
         cu = batch.cu_seqlens.tolist()
         first, anchors = [3, 5], [4, 7]
         W = max(first)
-        pad = lambda r, a, b: torch.cat([feats[cu[r] + a:cu[r] + b], feats[cu[r]:cu[r] + 1].expand(W - (b - a), -1)])
+        def pad(r, a, b):  # entries a..b-1 of sequence r, padded to W with its first entry
+            return torch.cat([feats[cu[r] + a:cu[r] + b], feats[cu[r]:cu[r] + 1].expand(W - (b - a), -1)])
         draft.add_context(cache, torch.stack([pad(r, 0, first[r]) for r in range(2)]), rows,
                           torch.tensor(first))
         W = max(a + 1 - f for a, f in zip(anchors, first))

@@ -70,7 +70,7 @@ def test_accepted_prefix_length_follows_the_geometric_law_of_independent_positio
 
 
 def test_greedy_one_hot_distributions_accept_exactly_while_draft_equals_argmax():
-    V, G = 5, 4
+    V = 5
     argmax_p = torch.tensor([[1, 3, 0, 2, 4], [1, 1, 1, 1, 1]])  # per row, per position
     drafts = torch.tensor([[1, 3, 4, 2], [1, 1, 1, 1]])
     p = torch.nn.functional.one_hot(argmax_p, V).float()

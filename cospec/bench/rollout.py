@@ -171,11 +171,13 @@ def load_hf_pair(policy_dir, draft_lm_dir, gamma: int, dtype: torch.dtype = torc
 
 
 def format_table(rows: list[dict]) -> str:
-    head = (f"{'draft':>6} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'adapt tok/s':>11} "
+    head = (f"{'draft':>6} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
+            f"{'adapt tok/s':>11} "
             f"{'adapt x':>8} {'tau':>5} {'ideal':>6} {'meas/ideal':>10}  adaptive gammas")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.get('draft', 'eagle3'):>6} {r['batch_size']:>5} {r['plain_tok_s']:>11.1f} {r['spec_tok_s']:>10.1f} "
+        lines.append(f"{r.get('draft', 'eagle3'):>6} {r['batch_size']:>5} {r['plain_tok_s']:>11.1f} "
+                     f"{r['spec_tok_s']:>10.1f} "
                      f"{r['speedup']:>7.2f}x {r['adaptive_tok_s']:>11.1f} {r['adaptive_speedup']:>7.2f}x "
                      f"{r['accept_length']:>5.2f} {r['ideal_speedup']:>5.2f}x {r['measured_over_ideal']:>10.2f}"
                      f"  {r['adaptive_gamma_counts']}")

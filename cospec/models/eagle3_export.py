@@ -78,7 +78,7 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
-from torch import Tensor, nn
+from torch import Tensor
 
 from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft

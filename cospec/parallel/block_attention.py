@@ -101,7 +101,6 @@ def block_forward(q_NHQD: Tensor, k_NHkvKD: Tensor, v_NHkvKD: Tensor, mask_NQK: 
     Inputs must already be in the accumulation dtype.
     """
     N, H, Q, D = q_NHQD.shape
-    Hkv = k_NHkvKD.shape[1]
     mask_NQK = mask_NQK.expand(N, Q, k_NHkvKD.shape[2])
     out = q_NHQD.new_empty(N, H, Q, D)
     lse = q_NHQD.new_empty(N, H, Q)

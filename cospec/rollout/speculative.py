@@ -8,6 +8,9 @@ Per step, for the N active rows (a ragged batch: rows have their own lengths):
    entry t = token s_t + the policy feature of position t-1) in one ragged call; its last entry's
    logits give q_1; sample x_1 ~ q_1. Then G-1 single-entry steps give x_2..x_G, each on the draft's
    own previous hidden (EAGLE-3). The draft's cache is then rolled back to the committed entries.
+   A block drafter (`cospec.rollout.drafter.BlockDrafter`) instead writes only context in the
+   catch-up and proposes all G tokens in one forward; with the adaptive controller and its
+   confidence head the block is then cut to the verify length the confidences make best.
 2. verify: ONE policy forward of [s_n, x_1..x_G] for all N rows (G+1 tokens each), which also
    returns the tapped features the draft's next catch-up reads (no extra policy forward).
 3. accept: `verify_drafts` (Leviathan et al. / Chen et al.) per row: k accepted, one more token drawn;
@@ -44,11 +47,11 @@ from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
 from cospec.rollout.drafter import make_drafter
-from cospec.rollout.speculation_stats import SpeculationStats, SpeculativeResult
-from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished, check_logprobs_finite, host_rows,
-                                   prefill_slots, score_tokens)
+from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished,
+                                   check_logprobs_finite, host_rows, prefill_slots, score_tokens)
 from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
                                      sample_tokens)
+from cospec.rollout.speculation_stats import SpeculationStats, SpeculativeResult
 from cospec.rollout.verify import (DenseProbs, HeadProbs, head_index, nonfinite_message,
                                    overshoot_sums, verify_drafts)
 
