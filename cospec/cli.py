@@ -33,7 +33,8 @@ def _config_args(p: argparse.ArgumentParser, *, reuse: bool = True) -> None:
                             "with other settings (default: rebuild them, naming the settings)")
 
 
-def _resolve(args, *, checkpoint_required: bool = True, switched_on: tuple[str, ...] = ()) -> RunConfig:
+def _resolve(args, *, checkpoint_required: bool = True,
+             switched_on: tuple[str, ...] = ()) -> RunConfig:
     """Recipe, file, overrides; then a checkpoint's architecture where model.path names one.
     Without `checkpoint_required` (``cospec config``), a checkpoint that cannot be read leaves the
     config as typed, with a warning: a recipe validates before its model is installed.
@@ -43,9 +44,8 @@ def _resolve(args, *, checkpoint_required: bool = True, switched_on: tuple[str, 
     from cospec.models.loading import with_checkpoint_model
 
     cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
-    for warning in config_mod.no_effect_warnings(cfg):
-        if not any(warning.endswith(f"without {switch}") for switch in switched_on):
-            print(f"cospec: warning: {warning}", file=sys.stderr)
+    for warning in config_mod.no_effect_warnings(cfg, switched_on):
+        print(f"cospec: warning: {warning}", file=sys.stderr)
     try:
         return with_checkpoint_model(cfg)
     except ConfigError:  # a field that does not fit the checkpoint's architecture

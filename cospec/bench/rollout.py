@@ -106,7 +106,7 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             timers[name].add(engine.generate(prompts, sampling, generator=gen))
     spec_stats = [res.stats for res in timers["spec"].results]
     tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
-    draft_s = draft_step_seconds(cost, controller.block_drafter, batch_size, gamma, math.ceil(tau))
+    draft_s = cost.draft_step_cost(batch_size, gamma, math.ceil(tau), controller.block_drafter)
     ideal = tau * cost.verify_cost(batch_size, 1) / (cost.verify_cost(batch_size, gamma + 1) + draft_s)
     gamma_mix: dict[int, int] = {}
     for res in timers["adaptive"].results:
@@ -128,15 +128,8 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             # the calibrated drafting time of a step at each gamma (a catch-up of 1 entry), over
             # one plain decode forward: how the draft's cost grows with the block
             "draft_step_over_decode_by_gamma": {
-                str(g): draft_step_seconds(cost, controller.block_drafter, batch_size, g, 1)
+                str(g): cost.draft_step_cost(batch_size, g, 1, controller.block_drafter)
                 / cost.verify_cost(batch_size, 1) for g in range(1, gamma + 1)}}
-
-
-def draft_step_seconds(cost, block: bool, n: int, gamma: int, catch_up: int) -> float:
-    """A drafting step's calibrated seconds: the catch-up of `catch_up` entries, then gamma - 1
-    single-entry calls (autoregressive) or one block forward of gamma positions (block)."""
-    rest = cost.block_cost(n, gamma) if block else (gamma - 1) * cost.draft_cost(n, 1)
-    return cost.draft_cost(n, catch_up) + rest
 
 
 def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,

@@ -78,14 +78,15 @@ def _gated_fields(cfg: RunConfig) -> list[tuple[str, str, bool]]:
     return rows
 
 
-def no_effect_warnings(cfg: RunConfig) -> list[str]:
+def no_effect_warnings(cfg: RunConfig, switched_on: tuple[str, ...] = ()) -> list[str]:
     """One line per field set away from its default that this config never reads (its switch is
     off), so that a setting is not silently ignored. Relative to the field's default, so a recipe
-    or file that merely restates a default says nothing."""
+    or file that merely restates a default says nothing. ``switched_on``: switches the command
+    sets itself whatever the config says (``rollout.speculative=true``, ``draft.kind=block``)."""
     defaults, out = RunConfig(), []
     for dotted, switch, on in _gated_fields(cfg):
         section, name = dotted.split(".")
         value = getattr(getattr(cfg, section), name)
-        if not on and value != getattr(getattr(defaults, section), name):
+        if not (on or switch in switched_on) and value != getattr(getattr(defaults, section), name):
             out.append(f"{dotted}={value!r} has no effect without {switch}")
     return out

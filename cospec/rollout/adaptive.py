@@ -91,24 +91,31 @@ class CostModel:
 
     def draft_cost(self, n: int, t: int = 1) -> float | None:
         """A call of t entries per row; past the widest measured t, linear in t from there."""
-        if not self.draft:
-            return None
-        widest = max(self.draft)
-        if t > widest:
-            base = self._interpolate(self.draft[widest], n)
-            return None if base is None else base * t / widest
-        return self._interpolate(self.draft.get(t, {}), n)
-
+        return self._by_length(self.draft, n, t)
 
     def block_cost(self, n: int, g: int) -> float | None:
         """A block forward of g positions (and its heads); past the longest measured, linear."""
-        if not self.block:
+        return self._by_length(self.block, n, g)
+
+    def draft_step_cost(self, n: int, gamma: int, catch_up: int, block: bool) -> float | None:
+        """A drafting step of n rows: the catch-up call of `catch_up` entries, then gamma - 1
+        single-entry calls (autoregressive) or one block forward of gamma positions (block);
+        None while a part is unmeasured."""
+        first = self.draft_cost(n, catch_up)
+        rest = self.block_cost(n, gamma) if block else self.draft_cost(n, 1)
+        if first is None or rest is None:
             return None
-        longest = max(self.block)
-        if g > longest:
-            base = self._interpolate(self.block[longest], n)
-            return None if base is None else base * g / longest
-        return self._interpolate(self.block.get(g, {}), n)
+        return first + (rest if block else (gamma - 1) * rest)
+
+    def _by_length(self, tables: dict[int, dict[int, float]], n: int, t: int) -> float | None:
+        """tables[t] at n rows; past the longest measured t, linear in t from there."""
+        if not tables:
+            return None
+        longest = max(tables)
+        if t > longest:
+            base = self._interpolate(tables[longest], n)
+            return None if base is None else base * t / longest
+        return self._interpolate(tables.get(t, {}), n)
 
 
 def expected_tokens(accept_by_position: list[float], gamma: int) -> float:
@@ -163,13 +170,9 @@ class AdaptiveGamma:
         tokens = expected_tokens(self.acceptance(), gamma)
         draft = 0.0
         if gamma > 0:
-            catch_up = self.cost.draft_cost(n, math.ceil(tokens))
-            rest = (self.cost.block_cost(n, gamma) if self.block_drafter
-                    else None if (single := self.cost.draft_cost(n, 1)) is None
-                    else (gamma - 1) * single)
-            if catch_up is None or rest is None:
+            draft = self.cost.draft_step_cost(n, gamma, math.ceil(tokens), self.block_drafter)
+            if draft is None:
                 return None
-            draft = catch_up + rest
         if verify is None:
             return None
         return n * tokens / (verify + draft)

@@ -30,9 +30,8 @@ A drafter:
 
 from __future__ import annotations
 
-from torch import Tensor
-
 import torch
+from torch import Tensor
 
 from cospec.config import SamplingConfig
 from cospec.models.block_draft import BlockDraft
