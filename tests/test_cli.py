@@ -5,6 +5,7 @@ exit code; printed text is asserted only where it is the spec (an error naming t
 fix). A reused file is one whose modification time did not move."""
 
 import json
+import shutil
 
 import pytest
 
@@ -144,6 +145,13 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     families = result["acceptance_by_family"]
     assert set(families) == {"eagle3", "block"} and set(families["block"]) == set(families["eagle3"])
     assert result["meta"]["drafts"]["block"]["confidence"] is False
+    # a kind not asked for is neither trained nor loaded
+    shutil.rmtree(out / "draft")
+    assert main(["bench", "rollout", "--quick", "--no-hf", "--batch-sizes", "2", "--drafts", "block",
+                 "--json", str(path), *TINY, f"out_dir={out}", "rollout.gamma=2", "draft.ttt_steps=2",
+                 "draft.block_layers=1", "draft.block_confidence=false"]) == 0
+    assert not (out / "draft").exists()
+    assert [r["draft"] for r in json.loads(path.read_text())["results"]] == ["block"]
 
 
 def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):

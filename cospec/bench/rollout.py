@@ -184,13 +184,17 @@ class _BenchInputs:
     cfg: RunConfig  # the run's, at the rollout dtype when one is set
     start_policy: torch.nn.Module  # the starting policy as loaded: the drafts are trained on it
     policy: torch.nn.Module  # the copy every method decodes with
-    eagle: torch.nn.Module  # the EAGLE-3 draft, at the same dtype
     drafts: dict[str, torch.nn.Module]  # every draft measured, by kind (eagle3, block), same dtype
     data: TaskData  # prompts, tokenizer and its stop ids
     sampling: SamplingConfig
     device: torch.device
     quick: bool
     workload: str
+
+    @property
+    def first_draft(self) -> tuple[str, torch.nn.Module]:
+        """(kind, draft) of the first kind asked for: the one the HF comparisons run beside."""
+        return next(iter(self.drafts.items()))
 
     @property
     def gamma(self) -> int:
@@ -265,8 +269,8 @@ def acceptance_by_family(run: _BenchInputs, draft, *, per_family: int = 16, seed
 
 def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool,
                  drafts: tuple[str, ...] = ("eagle3",)) -> _BenchInputs:
-    """The starting policy, its EAGLE-3 draft and the other drafts asked for (trained or reused),
-    at the rollout dtype; prints what is measured."""
+    """The starting policy and the drafts asked for (each trained or reused; no other), at the
+    rollout dtype; prints what is measured."""
     from cospec.artifacts import load_or_train_draft, load_policy, pick_device
     from cospec.config import apply
     from cospec.models.loading import inference_copy
@@ -274,15 +278,12 @@ def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool,
     device = pick_device(cfg.device)
     start = load_policy(cfg, device, reuse=reuse)
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
-    eagle, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": "eagle3"}}), policy, data=data,
-                                   reuse=reuse)
-    others = {kind: load_or_train_draft(apply(cfg, {"draft": {"kind": kind}}), policy, data=data,
-                                        reuse=reuse)[0] for kind in drafts if kind != "eagle3"}
+    measured = {kind: load_or_train_draft(apply(cfg, {"draft": {"kind": kind}}), policy, data=data,
+                                          reuse=reuse)[0] for kind in drafts}
     if cfg.rollout.dtype:  # every method, HF's included, decodes at the rollout dtype
-        policy, eagle = inference_copy(policy, cfg.rollout.dtype), inference_copy(eagle, cfg.rollout.dtype)
-        others = {k: inference_copy(d, cfg.rollout.dtype) for k, d in others.items()}
+        policy = inference_copy(policy, cfg.rollout.dtype)
+        measured = {k: inference_copy(d, cfg.rollout.dtype) for k, d in measured.items()}
         cfg = apply(cfg, {"model": {"dtype": cfg.rollout.dtype}})
-    measured = {kind: eagle if kind == "eagle3" else others[kind] for kind in drafts}
     s = cfg.sampling
     sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
                               max_new_tokens=s.max_new_tokens)
@@ -291,8 +292,7 @@ def _load_inputs(cfg: RunConfig, *, quick: bool, workload: str, reuse: bool,
     print(f"policy {policy.num_params() / 1e6:.2f}M params, {sizes}, gamma {cfg.rollout.gamma}, "
           f"temperature {s.temperature}, workload {workload}, dtype {cfg.model.dtype}, "
           f"threads {torch.get_num_threads()}, device {device}")
-    return _BenchInputs(cfg=cfg, start_policy=start.policy, policy=policy, eagle=eagle,
-                        drafts=measured, data=data,
+    return _BenchInputs(cfg=cfg, start_policy=start.policy, policy=policy, drafts=measured, data=data,
                         sampling=sampling, device=device, quick=quick, workload=workload)
 
 
@@ -307,11 +307,12 @@ def _hf_plain_on_the_checkpoint(run: _BenchInputs) -> dict:
     prompts = run.prompts(8 if run.quick else 16, seed=77)
     with tempfile.TemporaryDirectory() as tmp:
         hf_policy = load_hf_model(run.cfg, run.policy, Path(tmp))
-    same = run.bench(run.eagle, prompts, batch_size=1)
+    kind, draft = run.first_draft
+    same = run.bench(draft, prompts, batch_size=1)
     hf_tok_s = hf_generate_tok_s(hf_policy, prompts, run.sampling, repeats=run.repeats,
                                  stop_ids=run.data.tokenizer.stop_ids, pad_id=run.data.tokenizer.pad_id)
     print(f"batch 1: HF plain generate {hf_tok_s:.1f} tok/s, cospec plain "
-          f"{same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
+          f"{same['plain_tok_s']:.1f}, cospec speculative ({kind}) {same['spec_tok_s']:.1f} "
           f"(tau {same['accept_length']:.2f}): {same['spec_tok_s'] / hf_tok_s:.2f}x HF")
     return {"hf_plain_tok_s": hf_tok_s, "cospec_same_prompts_spec_tok_s": same["spec_tok_s"],
             "cospec_same_prompts_plain_tok_s": same["plain_tok_s"]}
@@ -320,7 +321,7 @@ def _hf_plain_on_the_checkpoint(run: _BenchInputs) -> dict:
 def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict], *, reuse: bool) -> dict:
     """Batch 1 on the embedded model: HF's assisted generation with a standalone draft LM (trained
     or reused) beside HF's plain sampling and cospec's engines with the same draft LM; ``rows``
-    gives cospec's EAGLE-3 figure at batch 1 to compare."""
+    gives cospec's figure with the first draft asked for, at the first batch size, to compare."""
     from cospec.artifacts import load_or_train_draft
     from cospec.config import apply
     from cospec.draft.offline import draft_dir
@@ -334,14 +335,15 @@ def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict], *, reuse: 
     # The SFT checkpoint is already in HF layout; the draft LM is saved as one (save_draft).
     hf_policy, hf_draft = load_hf_pair(f"{run.cfg.out_dir}/sft", draft_dir(lm_cfg), run.gamma,
                                        dtype=next(run.policy.parameters()).dtype)
+    first = rows[0]["draft"]
     hf_plain = hf_generate_tok_s(hf_policy, prompts, run.sampling, repeats=run.repeats)
     hf_assisted = hf_generate_tok_s(hf_policy, prompts, run.sampling, assistant=hf_draft,
                                     repeats=run.repeats)
     print(f"batch 1, standalone draft LM ({sum(p.numel() for p in draft_lm.parameters()) / 1e6:.2f}M): "
           f"HF plain {hf_plain:.1f} tok/s, HF assisted {hf_assisted:.1f}, "
           f"cospec plain {same['plain_tok_s']:.1f}, cospec speculative {same['spec_tok_s']:.1f} "
-          f"(tau {same['accept_length']:.2f}); cospec EAGLE-3 {rows[0]['spec_tok_s']:.1f}; "
-          f"cospec EAGLE-3 / HF assisted = {rows[0]['spec_tok_s'] / hf_assisted:.2f}x")
+          f"(tau {same['accept_length']:.2f}); cospec {first} {rows[0]['spec_tok_s']:.1f}; "
+          f"cospec {first} / HF assisted = {rows[0]['spec_tok_s'] / hf_assisted:.2f}x")
     return {"hf_plain_tok_s": hf_plain, "hf_assisted_tok_s": hf_assisted,
             "cospec_same_draft_tok_s": same["spec_tok_s"],
             "cospec_same_draft_plain_tok_s": same["plain_tok_s"],
@@ -352,7 +354,7 @@ def _meta(run: _BenchInputs) -> dict:
     """What the figures were measured on, for the JSON."""
     config = run.cfg.to_dict()
     return {"model": config["model"], "task": config["task"],
-            "draft_vocab_size": run.eagle.draft_vocab_size, "gamma": run.gamma,
+            "draft_vocab_size": getattr(run.first_draft[1], "draft_vocab_size", None), "gamma": run.gamma,
             "drafts": {k: {"layers": len(d.layers), "params": sum(p.numel() for p in d.parameters()),
                            "correction": getattr(d, "has_correction", False),
                            "confidence": getattr(d, "has_confidence", False)}
