@@ -132,7 +132,7 @@ class GRPOConfig:
     #: CPU cores); every command, the demo included, takes it from the config
     steps: int = 20
     #: prompts per step; each is answered group_size times
-    prompts_per_step: int = 32
+    prompts_per_step: int = 8
     #: rollouts per prompt (the group whose rewards normalise the advantage)
     group_size: int = 8
     #: "mean_std" (GRPO) or "mean" (Dr. GRPO): how rewards become advantages within a group

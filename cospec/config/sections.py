@@ -104,8 +104,10 @@ class TaskConfig:
     chat_template: bool = True
     #: a system message put before every chat prompt ("" = none)
     system_prompt: str = ""
-    #: task families in the suite, by name (see cospec.data.tasks.FAMILIES)
-    families: tuple[str, ...] = ("copy", "add", "sort", "perm")
+    #: task families in the suite, by name (see cospec.data.tasks.FAMILIES): the default is the
+    #: worked solutions of cospec.data.worked_solutions (answers of ~40 characters with a tail to
+    #: ~150); copy, add, sort and perm answer in ~6
+    families: tuple[str, ...] = ("carry", "mul", "selsort", "eval")
     #: sampling weight of each family, same order as families (empty = uniform)
     weights: tuple[float, ...] = ()
     #: seed of the prompt stream
@@ -134,8 +136,8 @@ class SamplingConfig:
     top_k: int = 0
     #: nucleus sampling: keep the smallest set of tokens whose mass reaches top_p (1.0 = off)
     top_p: float = 1.0
-    #: longest response in tokens
-    max_new_tokens: int = 64
+    #: longest response in tokens (the default families' longest answer is 148 characters)
+    max_new_tokens: int = 160
     #: rows decoded together (the KV cache's batch size)
     batch_size: int = 16
 
@@ -150,15 +152,15 @@ class SamplingConfig:
 @dataclass(frozen=True, kw_only=True)
 class SFTConfig:
     #: optimizer steps
-    steps: int = 400
+    steps: int = 1200
     #: tokens per packed batch (several examples concatenated)
     tokens_per_batch: int = 1024
     #: peak learning rate (AdamW, linear warmup then cosine decay)
-    lr: float = 1e-3
+    lr: float = 2e-3
     #: learning rate at the end of the cosine as a fraction of lr
     min_lr_ratio: float = 0.1
     #: warmup steps
-    warmup_steps: int = 20
+    warmup_steps: int = 50
     #: AdamW weight decay
     weight_decay: float = 0.01
     #: gradient clipping by global norm (0 = off)
