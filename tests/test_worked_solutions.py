@@ -5,13 +5,19 @@ import random
 import statistics
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cospec.config import TaskConfig
+from cospec.config import ModelConfig, SamplingConfig, TaskConfig
 from cospec.data.tasks import TaskSuite, encode_sft
 from cospec.data.tokenizer import UNK, CharTokenizer
 from cospec.data.worked_solutions import WORKED_FAMILIES, final_result
+from cospec.models.block_draft import BlockDraft
+from cospec.models.draft import Eagle3Draft
+from cospec.models.llama import Transformer
+from cospec.rollout.engine import GenerationEngine
+from cospec.rollout.speculative import SpeculativeEngine
 
 WORKED = [f.name for f in WORKED_FAMILIES]
 SUITE = TaskSuite(TaskConfig(families=tuple(WORKED)))
@@ -110,3 +116,23 @@ def test_worked_examples_encode_cleanly_and_fit_176_tokens(family):
         ids, mask = encode_sft(e, TOK)
         assert UNK not in ids and len(ids) <= 176
         assert sum(mask) == len(e.answer) + 1
+
+
+@pytest.mark.parametrize("draft_kind", ["eagle3", "block"])
+def test_greedy_speculation_equals_plain_decoding_on_worked_prompts_at_full_length(draft_kind):
+    """The default workload's prompts with room for its longest answers (160 new tokens): a random
+    policy rarely stops, so rows run to the length cap, and the speculative engine (a random draft:
+    rejections at every position) must give plain decoding's tokens and logprobs exactly."""
+    torch.manual_seed(0)
+    policy = Transformer(ModelConfig(vocab_size=50, hidden_size=64, num_layers=4, num_heads=4,
+                                     num_kv_heads=2, intermediate_size=128, max_seq_len=192)).eval()
+    draft = (Eagle3Draft if draft_kind == "eagle3" else BlockDraft).from_policy(policy).eval()
+    rng = random.Random(5)
+    prompts = [TOK.encode(SUITE.sample(rng).prompt, bos=True) for _ in range(6)]
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=160)
+    plain = GenerationEngine(policy, batch_size=4).generate(prompts, greedy)
+    spec = SpeculativeEngine(policy, draft, batch_size=4, gamma=4).generate(prompts, greedy)
+    assert max(len(c.tokens) for c in plain.completions) == 160
+    for a, b in zip(plain.completions, spec.completions):
+        assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason)
+        torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)
