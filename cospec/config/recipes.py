@@ -68,6 +68,7 @@ def smollm2_math() -> RunConfig:
                  "math_levels": [1]},
         "sampling": {"temperature": 0.7, "max_new_tokens": 384, "batch_size": 16},
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 512,
+                  "cotrain_max_tokens": 2048,
                   "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6, "log_kl": False,
