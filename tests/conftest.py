@@ -9,8 +9,8 @@ import torch
 
 from cospec.parallel.launch import spawn
 
-from pipeline_runs import (RunSpec, pipelined_runs, random_microbatches, reference_step, tiny_draft,
-                           tiny_policy)
+from pipeline_runs import (BLOCK_SPEC, RunSpec, pipelined_runs, random_microbatches,
+                           reference_step, tiny_draft, tiny_policy)
 
 ALL_LAYERS = tuple(range(6))
 
@@ -44,6 +44,7 @@ class PipelineCase:
     specs: list[RunSpec]
     results: list[list[dict]]
     reference: dict
+    block_reference: dict  # the same step with the block draft co-trained
 
     def run(self, spec: RunSpec) -> list[dict]:
         """Every rank's result for ``spec``."""
@@ -57,6 +58,7 @@ class PipelineCase:
 CASES = {2: ([4, 2], 6), 4: ([1, 3, 1, 1], 12)}
 SPECS = [RunSpec(schedule=s, taps=t, draft=bool(t), num_steps=2 if t else 1)
          for s in ("1f1b", "gpipe") for t in ((), ALL_LAYERS)]
+SPECS.append(BLOCK_SPEC)
 
 
 @pytest.fixture(scope="session", params=sorted(CASES), ids=lambda n: f"pp{n}")
@@ -68,6 +70,9 @@ def pipeline_case(request) -> PipelineCase:
               timeout_s=120, deadline_s=120)
     with single_thread():  # like the ranks: GEMM results depend on the thread count
         policy = tiny_policy()
-        reference = reference_step(policy, random_microbatches(num_microbatches), ALL_LAYERS,
-                                   tiny_draft(policy))
-    return PipelineCase(num_ranks, stage_sizes, num_microbatches, SPECS, results, reference)
+        mbs = random_microbatches(num_microbatches)
+        reference = reference_step(policy, mbs, ALL_LAYERS, tiny_draft(policy))
+        block_reference = reference_step(tiny_policy(), mbs, ALL_LAYERS,
+                                         tiny_draft(tiny_policy(), "block"))
+    return PipelineCase(num_ranks, stage_sizes, num_microbatches, SPECS, results, reference,
+                        block_reference)

@@ -97,12 +97,19 @@ class OpRecorder:
 @dataclass(frozen=True)
 class RunSpec:
     """schedule: '1f1b' | 'gpipe'; taps: the TapChannel's layers (() = no channel); draft: co-train
-    the draft (taps (1, 2, 3)) on the last stage; num_steps: steps run (stamps 0..num_steps-1)."""
+    the draft (taps (1, 2, 3); `draft_kind`) on the last stage; num_steps: steps run (stamps
+    0..num_steps-1)."""
 
     schedule: str = "1f1b"
     taps: tuple[int, ...] = ()
     draft: bool = False
     num_steps: int = 1
+    draft_kind: str = "eagle3"  # or "block"
+
+
+#: the block draft co-trained on the last stage, every layer tapped, 2 steps under 1F1B
+BLOCK_SPEC = RunSpec(schedule="1f1b", taps=tuple(range(TINY.num_layers)), draft=True, num_steps=2,
+                     draft_kind="block")
 
 
 def pipelined_runs(rank: int, num_ranks: int, stage_sizes, num_microbatches: int,
@@ -129,7 +136,7 @@ def _run(policy, mbs, spec: RunSpec, rank: int, layers, pipe_group, tap_group) -
     loss_fn = partial(token_nll, num_step_tokens=num_step_tokens(mbs))
     draft, delivered = None, {}
     if spec.taps:
-        draft = tiny_draft(policy) if last and spec.draft else None
+        draft = tiny_draft(policy, spec.draft_kind) if last and spec.draft else None
         runner = co_trained_step(model, stage_layers=layers, stage=rank, pipe_group=pipe_group,
                                  tap_group=tap_group, loss_fn=loss_fn, tap_layers=spec.taps,
                                  max_microbatches=len(mbs),

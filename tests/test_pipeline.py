@@ -22,7 +22,7 @@ from cospec.parallel.pipeline import (DraftCoTraining, PipelineStep, PipeTranspo
                                       schedule_actions, split_layers, token_nll)
 from cospec.parallel.tap_channel import TapChannel
 
-from pipeline_runs import (TINY, RunSpec, num_step_tokens, random_microbatches, reference_step,
+from pipeline_runs import (BLOCK_SPEC, TINY, RunSpec, num_step_tokens, random_microbatches, reference_step,
                            tiny_draft, tiny_policy)
 
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -144,6 +144,18 @@ def test_draft_loss_and_gradients_from_delivered_taps_equal_pp1(pipeline_case, s
     last, ref = pipeline_case.run(_spec(schedule, True))[-1], pipeline_case.reference
     assert last["draft_loss"] == pytest.approx(ref["draft_loss"], rel=1e-5)
     assert last["draft_grads"].keys() == ref["draft_grads"].keys()
+    for n, g in last["draft_grads"].items():
+        torch.testing.assert_close(g, ref["draft_grads"][n], **TOL, msg=lambda m: f"{n}: {m}")
+
+
+@pytest.mark.slow
+def test_the_block_draft_co_trained_from_delivered_taps_equals_pp1(pipeline_case):
+    """The block draft on the last stage, fed by TapChannel over 2 and 4 stages: its loss and
+    gradients are the single-process step's (the channel does not care which draft reads it)."""
+    last, ref = pipeline_case.run(BLOCK_SPEC)[-1], pipeline_case.block_reference
+    assert last["draft_loss"] == pytest.approx(ref["draft_loss"], rel=1e-5)
+    assert last["draft_grads"].keys() == ref["draft_grads"].keys()
+    assert ref["draft_grads"].keys() != pipeline_case.reference["draft_grads"].keys()  # not EAGLE-3
     for n, g in last["draft_grads"].items():
         torch.testing.assert_close(g, ref["draft_grads"][n], **TOL, msg=lambda m: f"{n}: {m}")
 
