@@ -1,4 +1,6 @@
-"""Synthetic, verifiable task families and their exact verifiers.
+"""Synthetic, verifiable task families and their exact verifiers: the short-answer families
+below, the worked-solution families of `cospec.data.worked_solutions` (the default suite), and
+`TaskSuite`, which samples a config's mix of them.
 
 Every family makes (prompt, reference answer) pairs from a seeded `random.Random` and scores a
 response with an exact check; rewards are in {0, 1} and never come from a model (no partial
@@ -20,7 +22,7 @@ credit: a wrong digit or a missing letter earns 0). Why each is here:
   arrangements it happens to prefer, which moves its distribution far from the SFT one (the case
   where a frozen draft goes stale) even when reward barely changes.
 
-The families differ in output entropy (copy/add/sort 0 bits at the optimum, perm up to
+The short families differ in output entropy (copy/add/sort 0 bits at the optimum, perm up to
 log2(n!) bits per answer), in length (1..40 characters) and in difficulty. Every prompt plus answer
 stays within 5 + 40 + 1 + 40 = 86 characters, so an example with BOS and EOS fits 128 tokens.
 

@@ -4,7 +4,7 @@ Why: in LLM RL a rollout is a chain of reasoning of tens to hundreds of tokens, 
 is most of the step. The short families of `cospec.data.tasks` answer in ~6 characters, so there
 prefill and the overshoot past EOS dominate and speculation has nothing to win. These families
 write every intermediate step, so responses run ~15-150 characters with a long tail (`selsort`),
-each step is a small local computation a 5M-parameter char model can learn (a column of an
+each step is a small local computation a 4M-parameter char model can learn (a column of an
 addition, a digit of a product, one selection, one operation), and the reward still checks only
 the final result, as an LLM answer verifier does.
 
