@@ -53,6 +53,20 @@ def test_rolled_back_rows_forget_rejected_tokens(model):
     torch.testing.assert_close(after_rollback, full, atol=1e-5, rtol=0)
 
 
+def test_logits_at_one_position_per_row_are_the_full_forwards_logits_there(model):
+    """What a ragged prefill asks for: each row's logits after its own last prompt token, and the
+    cache written exactly as by the full forward."""
+    x, last = rand_tokens(3, 8, seed=9), torch.tensor([7, 0, 4])
+    a, b = KVCache.for_model(model, 3), KVCache.for_model(model, 3)
+    full = model(x, kv_cache=a, num_valid_B=last + 1)
+    picked = model(x, kv_cache=b, num_valid_B=last + 1, logits_positions_B=last)
+    assert picked.logits.shape == (3, 1, CFG.vocab_size)
+    torch.testing.assert_close(picked.logits[:, 0], full.logits[torch.arange(3), last], atol=0, rtol=0)
+    torch.testing.assert_close(picked.hidden, full.hidden, atol=0, rtol=0)
+    assert torch.equal(a.lengths_B, b.lengths_B)
+    assert torch.equal(a.k_LBHSD, b.k_LBHSD) and torch.equal(a.v_LBHSD, b.v_LBHSD)
+
+
 def test_tap_layers_come_from_the_same_pass_and_are_detached_unless_asked(model):
     x = rand_tokens(1, 9, seed=6)
     out = model(x, tap_layers=(0, 2))

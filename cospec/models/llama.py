@@ -240,7 +240,8 @@ class Transformer(nn.Module):
                 cu_seqlens: Tensor | None = None, positions_BT: Tensor | None = None,
                 kv_cache=None, cache_rows: Tensor | None = None, num_valid_B: Tensor | None = None,
                 tap_layers: tuple[int, ...] | list[int] = (), detach_taps: bool = True,
-                attn_fn: AttentionCallable | None = None) -> ModelOutput:
+                attn_fn: AttentionCallable | None = None,
+                logits_positions_B: Tensor | None = None) -> ModelOutput:
         """Run the layers this module holds.
 
         tokens_BT: token ids (or ``inputs_embeds`` [B, T, C] on a stage without the embedding).
@@ -251,6 +252,10 @@ class Transformer(nn.Module):
             advances it by ``num_valid_B`` (default T). cache_rows: int [B] rows of the cache this
             call addresses (default all, in order).
         tap_layers: decoder layer ids whose outputs to return in ``taps`` (detached by default).
+        logits_positions_B: int [B], the one position of each row whose logits are wanted (a
+            prefill samples only after the prompt's last token): logits are then [B, 1, V], and
+            the head's cost (N x T x V, the largest matmul of a 49K-vocabulary prefill) drops to
+            N x V. None: every position.
         """
         x = self.embed_tokens(tokens_BT) if inputs_embeds is None else inputs_embeds
         ctx, cos, sin = forward_context(self.config, x, cu_seqlens=cu_seqlens,
@@ -267,7 +272,9 @@ class Transformer(nn.Module):
                 taps[int(lid)] = x.detach() if detach_taps else x
         if kv_cache is not None:
             kv_cache.advance(x.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
-        logits = self.lm_head(self.norm(x)) if self.lm_head is not None else None
+        head_in = x if logits_positions_B is None else \
+            x[torch.arange(x.shape[0], device=x.device), logits_positions_B][:, None]
+        logits = self.lm_head(self.norm(head_in)) if self.lm_head is not None else None
         if logits is not None and self.sampled_vocab_size is not None \
                 and self.sampled_vocab_size < logits.shape[-1]:
             logits = mask_vocab_tail(logits, self.sampled_vocab_size)

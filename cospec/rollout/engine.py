@@ -88,24 +88,27 @@ class GenerationResult:
 # ----------------------------------------------------------------------------- per-step pieces
 
 def score_tokens(model, cache: KVCache, tokens_NT: Tensor, rows_N: Tensor | None = None, *,
-                 num_valid_N: Tensor | None = None, tap_layers: tuple[int, ...] = ()):
+                 num_valid_N: Tensor | None = None, tap_layers: tuple[int, ...] = (),
+                 logits_positions_N: Tensor | None = None):
     """Write T tokens per addressed row at its cache length and return the `ModelOutput`
-    (logits [N, T, V]: position t predicts the token after tokens_NT[:, t]).
+    (logits [N, T, V]: position t predicts the token after tokens_NT[:, t]; [N, 1, V] at
+    ``logits_positions_N`` only, when given).
 
     rows_N: cache rows, None = all rows in order (no K/V gather). The rows advance by num_valid_N
     (default T); a caller that rejects some tokens rolls back with ``cache.truncate``.
     """
     return model(tokens_NT, kv_cache=cache, cache_rows=rows_N, num_valid_B=num_valid_N,
-                 tap_layers=tap_layers)
+                 tap_layers=tap_layers, logits_positions_B=logits_positions_N)
 
 
 def prefill_slots(model, cache: KVCache, slots_N: Tensor, prompts: list[list[int]], *,
                   tap_layers: tuple[int, ...] = ()):
     """Empty the given cache rows and write one prompt into each, in one right-padded forward.
 
-    Returns (logits [N, V] at each prompt's last token, the `ModelOutput` over [N, max len]).
-    Padding (PAD) past a prompt's end is written to the cache but the row's length stops at the
-    prompt, so the mask hides it and the next decode overwrites it.
+    Returns (logits [N, V] at each prompt's last token, the `ModelOutput`: hidden states and taps
+    over [N, max len], logits at the last tokens only). Padding (PAD) past a prompt's end is
+    written to the cache but the row's length stops at the prompt, so the mask hides it and the
+    next decode overwrites it.
     """
     device = cache.lengths_B.device
     lengths = [len(p) for p in prompts]
@@ -114,10 +117,10 @@ def prefill_slots(model, cache: KVCache, slots_N: Tensor, prompts: list[list[int
         tokens_NT[i, :len(p)] = torch.tensor(p, dtype=torch.long)
     lengths_N = torch.tensor(lengths, dtype=torch.long)
     cache.reset(slots_N)
-    out = score_tokens(model, cache, tokens_NT.to(device), slots_N,
-                       num_valid_N=lengths_N.to(device), tap_layers=tap_layers)
-    last_NV = out.logits[torch.arange(len(prompts), device=device), lengths_N.to(device) - 1]
-    return last_NV, out
+    lengths_N = lengths_N.to(device)
+    out = score_tokens(model, cache, tokens_NT.to(device), slots_N, num_valid_N=lengths_N,
+                       tap_layers=tap_layers, logits_positions_N=lengths_N - 1)
+    return out.logits[:, 0], out
 
 
 def decode_step(model, cache: KVCache, last_tokens_N: Tensor, rows_N: Tensor | None = None) -> Tensor:
