@@ -352,7 +352,7 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
                    help="generation/rollout: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
-                   help="rollout: the RL prompt mix, or its long tail (long copy answers)")
+                   help="rollout: the RL prompt mix, or long copy answers (24-40 tokens)")
     b.add_argument("--drafts", default="eagle3",
                    help="rollout: comma-separated draft kinds to measure (eagle3, block), one row each")
     b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")

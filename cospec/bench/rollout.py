@@ -2,9 +2,9 @@
 generation, on the run's starting policy (the SFT policy, or the checkpoint at ``model.path``) and
 its trained drafts, measured side by side in one run.
 
-Workload (``--workload``): ``tasks``, the run's prompts (``task.source``; on the synthetic suite
-responses of 1-40 tokens, ~6 on average; the stop ids are the tokenizer's), or ``long``, the
-synthetic suite's long tail (copy answers of 24-40 tokens); the config's
+Workload (``--workload``): ``tasks``, the run's prompts (``task.source``; on the default
+synthetic suite, worked solutions of ~40 tokens on average with a tail to 148; the stop ids are the
+tokenizer's), or ``long``, copy prompts whose answers have 24-40 tokens; the config's
 sampling (temperature 1 by default), ``sampling.max_new_tokens``. Per batch size B every method
 answers the same prompts (2B of them, at least 16) with the same seed; methods run interleaved,
 ``repeats`` times each after one warm-up, and tokens/s is total tokens over total seconds, so slow
@@ -47,10 +47,10 @@ from cospec.rollout.speculative import SpeculativeEngine
 
 def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks",
                  data: TaskData | None = None) -> list[list[int]]:
-    """``tasks``: the run's RL prompts (``task.source`` through its tokenizer; on the synthetic
-    suite, responses of ~6 tokens on average). ``long`` (synthetic only): the long tail of the
-    suite, copy prompts whose answers have 24-40 characters (what a rollout batch still decodes
-    after the short answers have finished)."""
+    """``tasks``: the run's RL prompts (``task.source`` through its tokenizer; on the default
+    synthetic suite, worked solutions of ~40 tokens on average). ``long`` (synthetic only): copy
+    prompts whose answers have 24-40 characters (the long tail of the short families: what a
+    rollout batch still decodes after their short answers have finished)."""
     rng = random.Random(seed)
     if workload == "long":
         if cfg.task.source != "synthetic":
