@@ -154,6 +154,13 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     assert [r["draft"] for r in json.loads(path.read_text())["results"]] == ["block"]
 
 
+def test_the_long_workload_on_a_policy_that_never_saw_copy_is_refused_before_any_work(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["bench", "rollout", "--quick", "--no-hf", "--workload", "long", *TINY,
+                 f"out_dir={out}", "task.families=[carry,mul]"]) == 2
+    assert "--workload long samples copy prompts" in capsys.readouterr().err and not out.exists()
+
+
 def test_a_parallel_config_without_torchrun_says_how_to_launch(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert main(["train", *TINY, f"out_dir={tmp_path}", "parallel.cp=2"]) == 2

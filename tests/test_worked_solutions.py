@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 from cospec.config import ModelConfig, SamplingConfig, TaskConfig
 from cospec.data.tasks import TaskSuite, encode_sft
 from cospec.data.tokenizer import UNK, CharTokenizer
-from cospec.data.worked_solutions import WORKED_FAMILIES, final_result
+from cospec.data.worked_solutions import (WORKED_FAMILIES, Carry, Eval, Mul, SelectionSort,
+                                          final_result)
 from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
@@ -39,12 +40,13 @@ def test_the_default_suite_is_the_worked_families():
 
 
 def test_worked_examples_by_hand():
-    rng = random.Random(0)
-    by_family = {f: SUITE.sample_family(f, rng) for f in WORKED}
-    carry = by_family["carry"]
-    a, b = map(int, carry.prompt[len("carry:"):-1].split("+"))
-    assert final_result(carry.answer) == str(a + b)
-    # the hand-checked formats of the module docstring
+    """The module docstring's examples, made by the generators' own solvers."""
+    assert Carry.solve(478, 56).answer == "8+6+0=14,7+5+1=13,4+0+1=5,>534"
+    assert Carry.solve(95, 7).answer == "5+7+0=12,9+0+1=10,>102"  # the last carry is the result's lead
+    assert Mul.solve(473, 6).answer == "3x6+0=18,7x6+1=43,4x6+4=28,>2838"
+    assert SelectionSort.solve("dbxa").answer == "a:dbx,b:dx,d:x,x:,>abdx"
+    assert Eval.solve(12, [("+", 7), ("-", 5)]).answer == "12+7=19,19-5=14,>14"
+    assert Eval.solve(12, [("+", 7), ("-", 5)]).prompt == "eval:12+7-5="
     assert steps_of("8+6+0=14,7+5+1=13,4+0+1=5,>534") == ["8+6+0=14", "7+5+1=13", "4+0+1=5"]
     assert final_result("a:dbx,b:dx,d:x,x:,>abdx") == "abdx" and final_result("abdx") is None
 

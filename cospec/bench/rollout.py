@@ -36,13 +36,21 @@ from dataclasses import dataclass
 
 import torch
 
-from cospec.config import RunConfig, SamplingConfig
+from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import Copy, encode_prompt
 from cospec.data.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
+
+
+def check_workload(cfg: RunConfig, workload: str) -> None:
+    """ConfigError, before anything is trained, for ``long`` on a policy that never saw copy."""
+    if workload == "long" and (cfg.task.source != "synthetic" or "copy" not in cfg.task.families):
+        raise ConfigError("--workload long samples copy prompts: it needs task.source=synthetic "
+                          "and a policy trained on the copy family (task.families with copy, "
+                          "e.g. the short families 'task.families=[copy,add,sort,perm]')")
 
 
 def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks",
@@ -53,8 +61,7 @@ def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "t
     rollout batch still decodes after their short answers have finished)."""
     rng = random.Random(seed)
     if workload == "long":
-        if cfg.task.source != "synthetic":
-            raise ValueError("--workload long is the synthetic suite's long tail (task.source=synthetic)")
+        check_workload(cfg, workload)
         tok, copy_family = CharTokenizer(), Copy(mean_len=30.0, max_len=40)
         examples = []
         while len(examples) < n:
@@ -220,6 +227,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     """Train (or reuse) the SFT policy and the drafts under cfg.out_dir, then measure: one row per
     draft kind (``drafts``: eagle3, block) and batch size, each with a ``draft`` field.
     ``reuse``: keep them even when made with other settings (`cospec.artifacts`)."""
+    check_workload(cfg, workload)
     run = _load_inputs(cfg, quick=quick, workload=workload, reuse=reuse, drafts=drafts)
     rows = []
     for B in batch_sizes:

@@ -3,7 +3,7 @@
 Why: in LLM RL a rollout is a chain of reasoning of tens to hundreds of tokens, and generating it
 is most of the step. The short families of `cospec.data.tasks` answer in ~6 characters, so there
 prefill and the overshoot past EOS dominate and speculation has nothing to win. These families
-write every intermediate step, so responses run ~15-150 characters with a long tail (`selsort`),
+write every intermediate step, so responses run ~10-150 characters with a long tail (`selsort`),
 each step is a small local computation a 4M-parameter char model can learn (a column of an
 addition, a digit of a product, one selection, one operation), and the reward still checks only
 the final result, as an LLM answer verifier does.
@@ -64,7 +64,11 @@ class Carry(WorkedSolution):
         self.max_digits = max_digits
 
     def sample(self, rng: random.Random) -> Example:
-        a, b = _digits(rng, 1, self.max_digits), _digits(rng, 1, self.max_digits)
+        return self.solve(_digits(rng, 1, self.max_digits), _digits(rng, 1, self.max_digits))
+
+    @classmethod
+    def solve(cls, a: int, b: int) -> Example:
+        """a + b worked column by column: solve(478, 56).answer == "8+6+0=14,7+5+1=13,4+0+1=5,>534"."""
         da, db = str(a)[::-1], str(b)[::-1]
         steps, carry = [], 0
         for i in range(max(len(da), len(db))):
@@ -73,7 +77,7 @@ class Carry(WorkedSolution):
             steps.append(f"{x}+{y}+{carry}={s},")
             carry = s // 10
         result = str(a + b)
-        return Example(self.name, f"carry:{a}+{b}=", "".join(steps) + ">" + result, {"result": result})
+        return Example(cls.name, f"carry:{a}+{b}=", "".join(steps) + ">" + result, {"result": result})
 
 
 class Mul(WorkedSolution):
@@ -83,14 +87,18 @@ class Mul(WorkedSolution):
         self.max_digits = max_digits
 
     def sample(self, rng: random.Random) -> Example:
-        a, m = _digits(rng, 2, self.max_digits), rng.randint(2, 9)
+        return self.solve(_digits(rng, 2, self.max_digits), rng.randint(2, 9))
+
+    @classmethod
+    def solve(cls, a: int, m: int) -> Example:
+        """a x m worked digit by digit: solve(473, 6).answer == "3x6+0=18,7x6+1=43,4x6+4=28,>2838"."""
         steps, carry = [], 0
         for d in str(a)[::-1]:
             s = int(d) * m + carry
             steps.append(f"{d}x{m}+{carry}={s},")
             carry = s // 10
         result = str(a * m)
-        return Example(self.name, f"mul:{a}x{m}=", "".join(steps) + ">" + result, {"result": result})
+        return Example(cls.name, f"mul:{a}x{m}=", "".join(steps) + ">" + result, {"result": result})
 
 
 class SelectionSort(WorkedSolution):
@@ -106,15 +114,19 @@ class SelectionSort(WorkedSolution):
         extra = int(math.log(1.0 - rng.random()) / math.log(1.0 - p))
         # distinct letters: each step copies the previous rest but one, and a small model finds
         # where it is in a copy by content, which repeated letters make ambiguous
-        rest = rng.sample(string.ascii_lowercase, min(self.max_len, self.min_len + extra))
-        letters = "".join(rest)
-        steps = []
+        return self.solve("".join(rng.sample(string.ascii_lowercase,
+                                             min(self.max_len, self.min_len + extra))))
+
+    @classmethod
+    def solve(cls, letters: str) -> Example:
+        """Sorted by repeated selection: solve("dbxa").answer == "a:dbx,b:dx,d:x,x:,>abdx"."""
+        rest, steps = list(letters), []
         while rest:
             smallest = min(rest)
             rest.remove(smallest)  # the rest keeps prompt order
             steps.append(f"{smallest}:{''.join(rest)},")
         result = "".join(sorted(letters))
-        return Example(self.name, f"selsort:{letters}=", "".join(steps) + ">" + result,
+        return Example(cls.name, f"selsort:{letters}=", "".join(steps) + ">" + result,
                        {"result": result})
 
 
@@ -125,18 +137,27 @@ class Eval(WorkedSolution):
         self.min_ops, self.max_ops = min_ops, max_ops
 
     def sample(self, rng: random.Random) -> Example:
-        value = rng.randrange(10, 100)
-        expr, steps = str(value), []
+        start = value = rng.randrange(10, 100)
+        ops = []
         # distinct operands, for the reason selsort's letters are distinct: each step finds its
         # operand right after the previous one in the prompt, by content
         for x in rng.sample(range(1, 10), rng.randint(self.min_ops, self.max_ops)):
             op = "-" if x <= value and rng.random() < 0.5 else "+"
+            value = value - x if op == "-" else value + x
+            ops.append((op, x))
+        return self.solve(start, ops)
+
+    @classmethod
+    def solve(cls, start: int, ops: list[tuple[str, int]]) -> Example:
+        """Left to right: solve(12, [("+", 7), ("-", 5)]).answer == "12+7=19,19-5=14,>14"."""
+        value, expr, steps = start, str(start), []
+        for op, x in ops:
             new = value - x if op == "-" else value + x
             expr += f"{op}{x}"
             steps.append(f"{value}{op}{x}={new},")
             value = new
         result = str(value)
-        return Example(self.name, f"eval:{expr}=", "".join(steps) + ">" + result, {"result": result})
+        return Example(cls.name, f"eval:{expr}=", "".join(steps) + ">" + result, {"result": result})
 
 
 WORKED_FAMILIES: tuple[type[TaskFamily], ...] = (Carry, Mul, SelectionSort, Eval)
