@@ -72,7 +72,6 @@ def pipeline_case(request) -> PipelineCase:
         policy = tiny_policy()
         mbs = random_microbatches(num_microbatches)
         reference = reference_step(policy, mbs, ALL_LAYERS, tiny_draft(policy))
-        block_reference = reference_step(tiny_policy(), mbs, ALL_LAYERS,
-                                         tiny_draft(tiny_policy(), "block"))
+        block_reference = reference_step(policy, mbs, ALL_LAYERS, tiny_draft(policy, "block"))
     return PipelineCase(num_ranks, stage_sizes, num_microbatches, SPECS, results, reference,
                         block_reference)
