@@ -49,6 +49,7 @@ from cospec.metrics.progress import progress_bar
 from cospec.models.integrity import NonFiniteError
 from cospec.rollout.host_memory import keep_freed_host_memory
 from cospec.rollout.kv_cache import KVCache
+from cospec.rollout.prompt_streams import PromptStreams
 from cospec.rollout.sampling import sample_tokens
 
 FinishReason = Literal["eos", "length"]
@@ -223,17 +224,33 @@ class GenerationEngine:
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has a token id outside [0, model.vocab_size={vocab})")
 
+    #: the most random numbers a row draws per token it emits (`PromptStreams` sizes by it)
+    draws_per_token = 1
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
-                 generator: torch.Generator | None = None, progress: bool = False) -> GenerationResult:
+                 generator: torch.Generator | None = None, seeds: list[int] | None = None,
+                 progress: bool = False) -> GenerationResult:
         """Answer every prompt once; completions in prompt order.
 
-        Reproducible given the generator's state and the batch size (the batch size decides which
-        random numbers each row draws). The generator must live on the model's device.
+        Randomness: with ``seeds`` (one per prompt), every row draws from its own prompt's stream
+        (`PromptStreams`): its tokens do not depend on the batch it shares or on its slot.
+        Otherwise from ``generator``, reproducible given its state and the batch size (the batch
+        size decides which random numbers each row draws); it must live on the model's device.
         """
         self.check_prompts(prompts)
+        streams = None
+        if seeds is not None:
+            if len(seeds) != len(prompts):
+                raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts: give one per prompt")
+            streams = PromptStreams(seeds, self.batch_size,
+                                    self.draws_per_token * sampling.max_new_tokens + 1,
+                                    self.cache.lengths_B.device)
+            generator = streams
         start = time.perf_counter()
         with torch.inference_mode(), progress_bar(progress, len(prompts), "generating") as tick:
             done, num_forwards = self._run(prompts, sampling, generator, tick)
+            if streams is not None:
+                streams.check_bound()
         seconds = time.perf_counter() - start
         num_tokens = sum(len(c.tokens) for c in done)
         return GenerationResult(completions=done, num_tokens=num_tokens, num_forwards=num_forwards,
@@ -265,6 +282,7 @@ class GenerationEngine:
                     i = queue.popleft()
                     slots[s] = Completion(index=i, prompt=list(prompts[i]))
                 rows_N = torch.tensor(free, device=device)
+                bind_streams(generator, rows_N, free, [slots[s].index for s in free])
                 self.cache.expect_longest(0)  # the rows are emptied first
                 logits_NV, _ = prefill_slots(self.model, self.cache, rows_N,
                                              [slots[s].prompt for s in free])
@@ -285,6 +303,7 @@ class GenerationEngine:
                                           for s in active))
             logits_NV = decode_step(self.model, self.cache, last_N, rows_N)
             self.num_forwards += 1
+            bind_streams(generator, rows_N)
             ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
             if rows_N is None:
                 last_B.copy_(ids_N)
@@ -292,3 +311,14 @@ class GenerationEngine:
                 last_B[rows_N] = ids_N
             record(active, ids_N, logprobs_N)  # 3. record
         return done, self.num_forwards
+
+
+def bind_streams(generator, rows_N: Tensor | None, new_slots: list[int] | None = None,
+                 prompt_indices: list[int] | None = None) -> None:
+    """With per-prompt streams: restart the streams of ``new_slots`` for their prompts, then bind
+    the drawing rows (``rows_N``; None: every slot). Nothing for a `torch.Generator`."""
+    if not isinstance(generator, PromptStreams):
+        return
+    if new_slots:
+        generator.assign(new_slots, prompt_indices)
+    generator.bind(rows_N)

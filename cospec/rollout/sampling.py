@@ -70,6 +70,17 @@ def probs_from_logits(logits_NV: Tensor, temperature: float, top_k: int = 0,
     return warp_logits(logits_NV, temperature, top_k, top_p).softmax(-1)
 
 
+def uniform(generator, n: int, k: int, device, dtype=torch.float64) -> Tensor:
+    """[n, k] uniforms in [0, 1) from ``generator``: a `torch.Generator` (or None: the global
+    one), or per-prompt streams (`cospec.rollout.prompt_streams.PromptStreams`, which have the
+    engine's rows bound)."""
+    if generator is None or isinstance(generator, torch.Generator):
+        return torch.rand(n, k, dtype=dtype, device=device, generator=generator)
+    u = generator.uniform(n, k)
+    # float64 -> float32 may round up to 1.0; torch.rand's range excludes it
+    return u if dtype == torch.float64 else u.to(dtype).clamp_(max=1.0 - 2.0 ** -24)
+
+
 def sample(probs_NV: Tensor, generator: torch.Generator | None = None) -> Tensor:
     """One categorical draw per row, without a device sync (unlike `torch.multinomial`).
 
@@ -86,8 +97,7 @@ def sample(probs_NV: Tensor, generator: torch.Generator | None = None) -> Tensor
     cost 5 ms per speculative step on SmolLM2. Returns long [N].
     """
     cdf_NV = probs_NV.double().cumsum(-1)
-    u_N1 = torch.rand(cdf_NV.shape[0], 1, dtype=torch.float64, device=cdf_NV.device,
-                      generator=generator) * cdf_NV[:, -1:]
+    u_N1 = uniform(generator, cdf_NV.shape[0], 1, cdf_NV.device) * cdf_NV[:, -1:]
     return torch.searchsorted(cdf_NV, u_N1, right=True)[:, 0].clamp_(max=cdf_NV.shape[-1] - 1)
 
 

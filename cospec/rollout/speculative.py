@@ -48,7 +48,8 @@ from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished,
-                                   check_logprobs_finite, host_rows, prefill_slots, score_tokens)
+                                   bind_streams, check_logprobs_finite, host_rows, prefill_slots,
+                                   score_tokens)
 from cospec.rollout.sampling import (SamplingDistribution, probs_from_logits, sample,
                                      sample_tokens)
 from cospec.rollout.speculation_stats import SpeculationStats, SpeculativeResult
@@ -103,8 +104,14 @@ class SpeculativeEngine(GenerationEngine):
                          if F else None)
         self._calibrated = False
 
+    @property
+    def draws_per_token(self) -> int:
+        """A step draws at most gamma drafts, gamma acceptance tests and one token, and emits >= 1."""
+        return 2 * self.gamma + 1
+
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
-                 generator: torch.Generator | None = None, progress: bool = False) -> SpeculativeResult:
+                 generator: torch.Generator | None = None, seeds: list[int] | None = None,
+                 progress: bool = False) -> SpeculativeResult:
         """As `GenerationEngine.generate`, plus ``stats`` (`SpeculationStats`)."""
         if self.controller is not None and not self._calibrated:
             with torch.inference_mode():
@@ -116,7 +123,8 @@ class SpeculativeEngine(GenerationEngine):
         # Overshoot sums per draft position, kept on the device: [log q/p, q > p, mass, count].
         self._overshoot = torch.zeros(4, self.gamma, dtype=torch.float64, device=self.seq_BS.device)
         self._steps_drafted = 0
-        result = super().generate(prompts, sampling, generator=generator, progress=progress)
+        result = super().generate(prompts, sampling, generator=generator, seeds=seeds,
+                                  progress=progress)
         sums = self._overshoot.tolist()
         self.stats.overshoot_by_position = [
             {"log_q_over_p": sums[0][j] / sums[3][j], "frac_q_above_p": sums[1][j] / sums[3][j],
@@ -171,6 +179,7 @@ class SpeculativeEngine(GenerationEngine):
             self.slots[s] = Completion(index=i, prompt=list(prompts[i]))
             self.row_counts[i] = [0, 0, 0, 0]  # steps, tokens, drafts judged, drafts accepted
         rows_N = torch.tensor(free, device=device)
+        bind_streams(generator, rows_N, free, indices)
         self.cache.expect_longest(0)  # the rows are emptied first
         logits_NV, out = prefill_slots(self.model, self.cache, rows_N,
                                        [self.slots[s].prompt for s in free],
@@ -197,6 +206,7 @@ class SpeculativeEngine(GenerationEngine):
         rows_t = None if len(active) == self.batch_size else torch.tensor(active, device=device)
         rows_N = torch.tensor(active, device=device)
         n_N = torch.tensor([self.n[s] for s in active], device=device)
+        bind_streams(generator, rows_N)
         t0 = synced_time(self.seq_BS)
         self._drafted = 0  # tokens the draft proposed this step
         if gamma > 0:

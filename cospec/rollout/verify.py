@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from cospec.models.integrity import NonFiniteError
-from cospec.rollout.sampling import sample
+from cospec.rollout.sampling import sample, uniform
 
 
 @dataclass
@@ -137,7 +137,7 @@ def verify_drafts(p_probs_NG1V, q_probs_NGV, draft_NG: Tensor,
                          f"{tuple(p.shape)}, {tuple(q.shape)}, {tuple(draft_NG.shape)}")
     p_draft = p.prob_of(draft_NG)  # p_i(x_i)
     q_draft = q.prob_of(draft_NG)  # q_i(x_i)
-    u = torch.rand(N, G, device=draft_NG.device, generator=generator)
+    u = uniform(generator, N, G, draft_NG.device, torch.float32)
     accept_NG = u * q_draft < p_draft  # probability min(1, p/q)
     num_accepted = accept_NG.long().cumprod(-1).sum(-1)  # length of the accepted prefix
     # The distribution of the token after the prefix: r_k at a rejection (k < G), p_G after all G.
