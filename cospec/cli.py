@@ -190,7 +190,7 @@ def _train(cfg, args, group) -> int:
     from cospec.rl.trainer import GRPOTrainer
 
     device = pick_device(cfg.device)
-    lead = group is None or group.is_rollout_rank
+    lead = group is None or group.is_lead
     rl_dir = Path(cfg.out_dir) / "rl"
     last = latest_checkpoint(rl_dir / "checkpoints")
     if last is not None and not args.resume and not args.fresh:

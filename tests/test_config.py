@@ -46,6 +46,7 @@ def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
     ("task.families=copy,nope_family_is_checked_by_the_suite,copy", "task.families"),
     ("device=tpu", "device"),
     ("parallel.cp=0", "parallel.cp"),
+    ("parallel.dp=0", "parallel.dp"),
 ])
 def test_invalid_values_raise_an_error_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -96,3 +97,17 @@ def test_a_setting_its_switch_turns_off_is_reported_not_silently_ignored():
     assert no_effect_warnings(resolve("smollm2-math")) == []
     assert no_effect_warnings(resolve("tiny", overrides=[
         "rollout.speculative=true", "rollout.adaptive=true", "rollout.probe_every=3"])) == []
+
+
+def test_data_parallel_layouts_that_cannot_work_are_refused_up_front():
+    from cospec.parallel.train_group import check_launch
+
+    with pytest.raises(ConfigError, match=r"parallel\.dp.*multiple of dp \(a group never straddles"):
+        resolve(overrides=["parallel.dp=3", "grpo.prompts_per_step=8"])
+    with pytest.raises(ConfigError, match=r"each replica's 4 rollouts must fill grpo\.micro_steps=8"):
+        resolve(overrides=["parallel.dp=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
+                           "grpo.micro_steps=8"])
+    with pytest.raises(ConfigError, match="composes with neither cp nor pp yet"):
+        check_launch(resolve(overrides=["parallel.dp=2", "parallel.cp=2"]).parallel)
+    with pytest.raises(ConfigError, match="needs 2 processes; launch it with torchrun --nproc-per-node 2"):
+        check_launch(resolve(overrides=["parallel.dp=2"]).parallel)

@@ -44,8 +44,13 @@ def _rigged_rewards(batch) -> None:
     batch.rewards = torch.tensor([float(len(c.tokens) % 2) for c in batch.completions])
 
 
+def _full(t):
+    """A tensor whole: an FSDP2 shard (dp) all-gathered (a collective: every rank calls it)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.detach().clone()
+
+
 def _grads(module) -> dict:
-    return {n: p.grad.detach().clone() for n, p in module.named_parameters() if p.grad is not None}
+    return {n: _full(p.grad) for n, p in module.named_parameters() if p.grad is not None}
 
 
 def _step(cfg, group=None) -> dict:
@@ -55,17 +60,22 @@ def _step(cfg, group=None) -> dict:
     metrics = trainer.run_step()
     out = {"policy_grads": _grads(trainer.policy),
            "draft_grads": _grads(trainer.draft) if trainer.owns_draft else {},
-           "stage": {k: v.clone() for k, v in trainer.policy.state_dict().items()},
+           "stage": {k: _full(v) for k, v in trainer.policy.state_dict().items()},
            "draft": trainer.draft.state_dict() if trainer.owns_draft else None}
-    if trainer.is_rollout_rank:
+    if trainer.is_lead:
         out["metrics"] = {k: metrics[k] for k in ("loss", "kl_from_init", "entropy", "grad_norm", "draft_loss")}
         out["engine_policy"] = trainer.rollout_policy.state_dict()
         out["engine_draft"] = trainer.rollout_draft.state_dict()
     return out
 
 
+#: the layouts and their overrides; those outside parallel.* hold for the reference step too
 LAYOUTS = {"cp2": ["parallel.cp=2"], "cp4": ["parallel.cp=4"], "pp2": ["parallel.pp=2"],
-           "pp4": ["parallel.pp=4"], "pp2xcp2": ["parallel.pp=2", "parallel.cp=2"]}
+           "pp4": ["parallel.pp=4"], "pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+           # two minibatches: each replica's share of minibatch i is chosen by global index;
+           # co-training on every captured token (a token budget is split over the replicas,
+           # each sampling its share from its own rollouts: another sample than one process's)
+           "dp2": ["parallel.dp=2", "grpo.micro_steps=2", "draft.cotrain_max_tokens=0"]}
 
 
 def _distributed_step(rank, num_ranks, out_dir, layout):
@@ -81,9 +91,10 @@ def _rel(a, b) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("cp4", 4), ("pp2", 2), ("pp4", 4),
-                                           ("pp2xcp2", 4)])
+                                           ("pp2xcp2", 4), ("dp2", 2)])
 def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout, ranks):
-    reference = _step(_cfg(tmp_path / "ref"))
+    shared = [o for o in LAYOUTS[layout] if not o.startswith("parallel.")]
+    reference = _step(_cfg(tmp_path / "ref", *shared))
     results = spawn(_distributed_step, ranks, str(tmp_path / layout), layout, timeout_s=120)
     root = results[0]
     assert reference["metrics"]["grad_norm"] > 0.05  # clipping is active: its reduction is tested
@@ -97,7 +108,7 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
             covered.add(name)
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
-    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2}[layout]
+    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2, "dp2": 2}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()
         for name, g in r["draft_grads"].items():
@@ -129,13 +140,13 @@ def _train_then_resume(rank, num_ranks, out_dir, kind, split):
         trainer.score = _rigged_rewards
         trainer.g = type(trainer.g)(**{**trainer.g.__dict__, "steps": steps})
         trainer.run(resume=resume, progress=False)
-    if trainer.is_rollout_rank:
+    if trainer.is_lead:
         return {"policy": trainer.rollout_policy.state_dict(), "draft": trainer.rollout_draft.state_dict()}
     return None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["cp", "pp"])
+@pytest.mark.parametrize("kind", ["cp", "pp", "dp"])
 def test_a_distributed_run_resumes_bit_identically(tmp_path, kind):
     """Every rank's optimizer state travels through the checkpoint: interrupted after step 2 and
     resumed, the run ends with exactly the weights of an uninterrupted one (gloo on CPU is

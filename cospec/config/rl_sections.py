@@ -196,6 +196,9 @@ class GRPOConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
+    #: data-parallel replicas: each generates its share of the step's prompt groups and trains on
+    #: them, the policy sharded over the replicas with FSDP2 (dp x pp x cp processes in all)
+    dp: int = 1
     #: context-parallel ranks (per pipeline stage): each packed sequence is zigzag-sharded over
     #: them (ring attention); cp x pp processes in all
     cp: int = 1
@@ -207,6 +210,7 @@ class ParallelConfig:
     schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
+        _check(self.dp >= 1, "parallel.dp", f"must be >= 1, got {self.dp}")
         _check(self.cp >= 1, "parallel.cp", f"must be >= 1, got {self.cp}")
         _check(self.pp >= 1, "parallel.pp", f"must be >= 1, got {self.pp}")
         _check(self.microbatches >= 1, "parallel.microbatches", f"must be >= 1, got {self.microbatches}")

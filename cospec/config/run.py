@@ -44,8 +44,16 @@ class RunConfig:
             _check(p.microbatches <= per_minibatch, "parallel.microbatches",
                    f"{p.microbatches} microbatches of whole rollouts, a minibatch has only "
                    f"{per_minibatch} (prompts_per_step * group_size / micro_steps)")
-        _check(p.cp * p.pp == 1 or self.draft.mode != "oracle", "draft.mode",
-               "oracle (a measurement) runs on one process only; use parallel.cp=1 parallel.pp=1")
+        if p.dp > 1:
+            g = self.grpo
+            _check(g.prompts_per_step % p.dp == 0, "parallel.dp",
+                   f"{p.dp} replicas share grpo.prompts_per_step={g.prompts_per_step} prompt groups: "
+                   f"it must be a multiple of dp (a group never straddles replicas)")
+            _check(g.prompts_per_step // p.dp * g.group_size >= g.micro_steps, "parallel.dp",
+                   f"each replica's {g.prompts_per_step // p.dp * g.group_size} rollouts must fill "
+                   f"grpo.micro_steps={g.micro_steps} minibatches")
+        _check(p.dp * p.cp * p.pp == 1 or self.draft.mode != "oracle", "draft.mode",
+               "oracle (a measurement) runs on one process only; use parallel.dp=cp=pp=1")
 
     def check_against_model(self) -> None:
         """The fields that must fit the policy's architecture (`with_checkpoint_model` calls this

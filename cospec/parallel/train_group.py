@@ -1,14 +1,22 @@
-"""Who does what in a distributed GRPO run: `parallel.cp` or `parallel.pp` ranks under torchrun.
+"""Who does what in a distributed GRPO run: `parallel.dp`, `parallel.cp` or `parallel.pp` ranks
+under torchrun.
 
+    torchrun --standalone --nproc-per-node 2 -m cospec train parallel.dp=2
     torchrun --standalone --nproc-per-node 2 -m cospec train parallel.cp=2
     torchrun --standalone --nproc-per-node 2 -m cospec train parallel.pp=2
     torchrun --standalone --nproc-per-node 4 -m cospec train parallel.pp=2 parallel.cp=2
 
-World = cp x pp processes, rank = stage * cp + cp_rank. Roles:
-- rank 0 is the *rollout rank*: it owns the rollout engine (a full copy of the policy and of the
-  draft), generates, scores, computes advantages, evaluates, logs and writes checkpoints. The
-  rollouts reach the other ranks by one broadcast per step. (A real deployment puts the engine on
-  its own devices; the `WeightSync` seam is where it plugs in.)
+World = dp x pp x cp processes, rank = dp_rank * (pp * cp) + stage * cp + cp_rank: a *replica*
+is the pp x cp ranks of one dp_rank. Roles:
+- the first rank of every replica *generates*: it owns a rollout engine (a full copy of the policy
+  and of the draft), generates its replica's share of the step's prompt groups (a group never
+  straddles replicas), scores them and computes their advantages. Under cp or pp its rollouts
+  reach the replica's other ranks by one broadcast per step. (A real deployment puts the engine
+  on its own devices; the `WeightSync` seam is where it plugs in.)
+- rank 0 is the *lead*: it also evaluates, logs and writes checkpoints.
+- dp: every replica trains on its own rollouts; the policy is sharded over the replicas with
+  FSDP2 and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp is
+  built alone so far: dp x cp and dp x pp are refused (`check_launch`).
 - cp: every rank holds a replica of the policy, the reference and the draft and trains on its
   zigzag shard of every minibatch (`cospec.rl.cp_step`).
 - pp: rank s holds stage s of the policy and the reference; the draft lives on the last stage,
@@ -16,8 +24,9 @@ World = cp x pp processes, rank = stage * cp + cp_rank. Roles:
 - pp x cp: every stage is held by cp ranks that shard each microbatch (zigzag, ring attention
   inside the stage's cp group); the pipeline and TapChannel run per cp column (cp rank c of every
   stage); the last stage's cp ranks co-train the draft on zigzag shards.
-Checkpoints hold the full policy (rank 0's synced copy) and every rank's optimizer state, so a
-run resumes with the same parallel layout (the resume check compares the whole config).
+Checkpoints hold the full policy (rank 0's synced copy) and every rank's optimizer state (under
+dp the full, unsharded one), so a run resumes with the same parallel layout (the resume check
+compares the whole config).
 """
 
 from __future__ import annotations
@@ -33,29 +42,45 @@ from cospec.parallel.launch import init_from_env
 
 @dataclass
 class TrainGroup:
-    """This process's place in the run: rank = stage * cp + cp_rank (the cp ranks of a stage are
-    neighbours). cp_group: the ranks holding this rank's stage under pp x cp (None otherwise: under
-    cp alone the cp group is the world); pipe_group/tap_group: the pipeline's two groups of this
-    rank's cp column (pp > 1)."""
+    """This process's place in the run: rank = dp_rank * (pp * cp) + stage * cp + cp_rank (the cp
+    ranks of a stage are neighbours). cp_group: the ranks holding this rank's stage under pp x cp
+    (None otherwise: under cp alone the cp group is the world); pipe_group/tap_group: the
+    pipeline's two groups of this rank's cp column (pp > 1). Under dp alone the dp group is the
+    world."""
 
     rank: int
     world: int
     cp: int
     pp: int
+    dp: int = 1
     cp_group: object = None
     pipe_group: object = None
     tap_group: object = None
 
     @property
+    def replica_size(self) -> int:
+        return self.pp * self.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.replica_size
+
+    @property
     def stage(self) -> int:
-        return self.rank // self.cp
+        return self.rank % self.replica_size // self.cp
 
     @property
     def cp_rank(self) -> int:
         return self.rank % self.cp
 
     @property
-    def is_rollout_rank(self) -> bool:
+    def generates(self) -> bool:
+        """Owns a rollout engine: the first rank of every replica."""
+        return self.rank % self.replica_size == 0
+
+    @property
+    def is_lead(self) -> bool:
+        """Evaluates, logs and writes checkpoints."""
         return self.rank == 0
 
     @property
@@ -82,21 +107,31 @@ class TrainGroup:
         return out
 
 
+def check_layout(parallel: ParallelConfig) -> None:
+    """ConfigError for a layout that is not built: dp with cp or pp."""
+    if parallel.dp > 1 and parallel.cp * parallel.pp > 1:
+        raise ConfigError(f"parallel.dp={parallel.dp} with cp={parallel.cp} x pp={parallel.pp}: "
+                          f"data parallelism composes with neither cp nor pp yet; use dp alone, "
+                          f"or cp and pp without dp")
+
+
 def check_launch(parallel: ParallelConfig) -> None:
-    """ConfigError unless the processes torchrun started match parallel.cp x parallel.pp."""
-    want = parallel.cp * parallel.pp
+    """ConfigError unless the processes torchrun started match parallel.dp x pp x cp."""
+    check_layout(parallel)
+    want = parallel.dp * parallel.cp * parallel.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != want:
         how = (f"launch it with torchrun --nproc-per-node {want} -m cospec train ..." if world == 1
                else f"torchrun started {world} processes")
-        raise ConfigError(f"parallel: cp={parallel.cp} x pp={parallel.pp} needs {want} processes; {how}")
+        raise ConfigError(f"parallel: dp={parallel.dp} x pp={parallel.pp} x cp={parallel.cp} needs "
+                          f"{want} processes; {how}")
 
 
 def join_train_group(parallel: ParallelConfig, timeout_s: float = 600.0) -> TrainGroup | None:
     """None for a single-process run; else join torchrun's group (a dead rank fails the others
     after ``timeout_s``) and create the pipeline's groups."""
     check_launch(parallel)
-    if parallel.cp * parallel.pp == 1:
+    if parallel.dp * parallel.cp * parallel.pp == 1:
         return None
     rank, world = init_from_env(timeout_s=timeout_s)
     return make_train_group(parallel, rank, world)
@@ -110,10 +145,12 @@ def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGr
     """
     from cospec.parallel.pipeline import pipeline_groups
 
-    cp, pp = parallel.cp, parallel.pp
-    if world != cp * pp:
-        raise ConfigError(f"parallel: cp={cp} x pp={pp} needs {cp * pp} processes, the group has {world}")
-    group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp)
+    check_layout(parallel)
+    cp, pp, dp = parallel.cp, parallel.pp, parallel.dp
+    if world != dp * cp * pp:
+        raise ConfigError(f"parallel: dp={dp} x pp={pp} x cp={cp} needs {dp * cp * pp} processes, "
+                          f"the group has {world}")
+    group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp, dp=dp)
     if pp == 1:
         return group
     if cp > 1:

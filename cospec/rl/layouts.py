@@ -44,13 +44,15 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
     pp = group.pp if group is not None else 1
     if pp > 1:
         return _pipelined(cfg, policy, group, draft, rollout_policy, rollout_draft)
+    if group is not None and group.dp > 1:
+        return _data_parallel(cfg, policy, group, rollout_policy, rollout_draft)
     trained = policy.train()
     reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
                  if g.log_kl or g.kl_coef else None)
     optimizer = _adamw(trained, cfg)
     kwargs = _loss_kwargs(cfg)
-    is_rollout_rank = group is None or group.is_rollout_rank
-    syncs = dict(weight_sync=InProcessWeightSync(rollout_policy) if is_rollout_rank else None,
+    generates = group is None or group.generates
+    syncs = dict(weight_sync=InProcessWeightSync(rollout_policy) if generates else None,
                  draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None)
     if group is None:
         step = LocalPolicyStep(trained, reference, optimizer, autocast=g.autocast, **kwargs)
@@ -62,6 +64,27 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
     cp_loss = ContextParallelDraftLoss(group=None)
     return PolicyLayout(trained, reference, optimizer, step, **syncs, draft_loss=cp_loss,
                         reduce_draft_grads=cp_loss.reduce_grads)
+
+
+def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft) -> PolicyLayout:
+    """dp > 1 (alone): the policy and its reference sharded with FSDP2 over the replicas, the
+    draft replicated; every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
+    from cospec.parallel.data_parallel import ShardedWeightSync, dp_mesh, shard_policy
+    from cospec.rl.dp_step import DataParallelDraftLoss, DataParallelPolicyStep
+
+    g, mesh = cfg.grpo, dp_mesh(group.dp)
+    reference = None
+    if g.log_kl or g.kl_coef:  # the KL anchor, sharded like the policy
+        reference = shard_policy(copy.deepcopy(policy).eval().requires_grad_(False), mesh)
+    trained = shard_policy(policy.train(), mesh)
+    optimizer = _adamw(trained, cfg)  # over the shards: AdamW's state is sharded too
+    step = DataParallelPolicyStep(trained, reference, optimizer, group=None, autocast=g.autocast,
+                                  **_loss_kwargs(cfg))
+    draft_loss = DataParallelDraftLoss(group=None)
+    return PolicyLayout(trained, reference, optimizer, step,
+                        weight_sync=ShardedWeightSync(rollout_policy),
+                        draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None,
+                        draft_loss=draft_loss, reduce_draft_grads=draft_loss.reduce_grads)
 
 
 def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_draft) -> PolicyLayout:

@@ -7,15 +7,23 @@ tokens, the engine's `SpeculationStats` or None).
 from __future__ import annotations
 
 
-def step_metrics(batch, train: dict, seconds: dict) -> dict:
+def step_metrics(batch, train: dict, seconds: dict, replicas: dict | None = None) -> dict:
     """One GRPO step's log row: reward (overall, by family), accuracy, response lengths, the
     policy step's metrics (``train``), the time split (``seconds``), rollout tokens/s, and the
-    speculation metrics when the rollouts were speculative."""
-    rewards = batch.rewards.tolist()
+    speculation metrics when the rollouts were speculative.
+
+    ``replicas`` (data parallel): the step's rollouts over every replica, as ``examples``,
+    ``rewards``, ``lengths`` and ``num_tokens``; they replace this replica's for the reward,
+    length and throughput figures (tokens over this replica's generation time: the replicas
+    generate at once). The speculation figures stay this replica's."""
+    rewards = batch.rewards.tolist() if replicas is None else replicas["rewards"]
+    examples = batch.examples if replicas is None else replicas["examples"]
     by_family: dict[str, list[float]] = {}
-    for ex, r in zip(batch.examples, rewards):
+    for ex, r in zip(examples, rewards):
         by_family.setdefault(ex.family, []).append(r)
-    lengths = sorted(len(c.tokens) for c in batch.completions)
+    lengths = sorted(len(c.tokens) for c in batch.completions) if replicas is None else sorted(
+        replicas["lengths"])
+    num_tokens = batch.num_tokens if replicas is None else replicas["num_tokens"]
     total = sum(seconds.values())
     m = {"reward": sum(rewards) / len(rewards),
          "reward_by_family": {k: sum(v) / len(v) for k, v in sorted(by_family.items())},
@@ -26,7 +34,7 @@ def step_metrics(batch, train: dict, seconds: dict) -> dict:
          "time": {k: v for k, v in seconds.items()},
          "time_share": {k: v / total for k, v in seconds.items()},
          "step_seconds": total,
-         "rollout_tok_s": batch.num_tokens / max(batch.generate_seconds, 1e-9)}
+         "rollout_tok_s": num_tokens / max(batch.generate_seconds, 1e-9)}
     if batch.stats is not None:
         m.update(speculation_metrics(batch, seconds))
     return m

@@ -21,6 +21,7 @@ not bit for bit).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -38,21 +39,24 @@ from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
 from cospec.rl import grpo
-from cospec.rl.checkpoint import (as_tuples, check_resumable, copy_weights, latest_checkpoint,
-                                 load_latest_good, save_checkpoint)
+from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
 from cospec.rl.cotrain import cotrain_draft
+from cospec.rl.dp_step import replica_chunks, replicas_view
 from cospec.rl.layouts import build_policy_layout, check_rl_config
 from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
 from cospec.rl.step_metrics import console_line, step_metrics
+from cospec.rl.trainer_state import restore_trainer, save_trainer
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
 
 @dataclass
 class RolloutBatch:
-    """examples / completions: one per rollout (R = prompts_per_step * group_size);
-    rewards, advantages: float [R]; generate_seconds: wall time of the engine call;
-    stats: the engine's speculation statistics (None for plain rollouts)."""
+    """examples / completions: one per rollout (R = prompts_per_step * group_size, or this
+    replica's share under data parallelism); rewards, advantages: float [R]; generate_seconds:
+    wall time of the engine call; stats: the engine's speculation statistics (None for plain
+    rollouts); first: the step-wide index of the first rollout (0 but on replicas after the
+    first); replicas: the step's rollouts over every replica, for the log (`replicas_view`)."""
 
     examples: list[Example]
     completions: list[Completion]
@@ -61,6 +65,8 @@ class RolloutBatch:
     generate_seconds: float
     num_tokens: int
     stats: object | None = None
+    first: int = 0
+    replicas: dict | None = None
 
 
 class GRPOTrainer:
@@ -82,14 +88,15 @@ class GRPOTrainer:
         self.cfg, self.g, self.group = cfg, cfg.grpo, group
         self.out_dir = out_dir or f"{cfg.out_dir}/rl"
         self.device = next(policy.parameters()).device
-        self.is_rollout_rank = group is None or group.is_rollout_rank
+        self.is_lead = group is None or group.is_lead  # evaluates, logs, writes checkpoints
+        self.generates = group is None or group.generates  # owns a rollout engine
         self.owns_draft = group is None or group.owns_draft
         # The engine runs on its own copy of the policy (and of the draft), synced after updates
         # through the WeightSync seam; frozen and oracle drafts go through the same path.
         dtype = cfg.rollout.dtype
-        self.rollout_policy = inference_copy(policy, dtype) if self.is_rollout_rank else None
+        self.rollout_policy = inference_copy(policy, dtype) if self.generates else None
         self.rollout_draft = (inference_copy(draft, dtype)
-                              if draft is not None and self.is_rollout_rank else None)
+                              if draft is not None and self.generates else None)
         self.draft = draft  # the trainer's draft, updated by co-training (on its owner rank)
         self.draft_optimizer = None
         if draft is not None and cfg.draft.mode == "cotrain" and self.owns_draft:
@@ -105,7 +112,7 @@ class GRPOTrainer:
                                                                layout.draft_sync)
         self.draft_loss, self.reduce_draft_grads = layout.draft_loss, layout.reduce_draft_grads
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
-        self.engine = self._make_engine() if self.is_rollout_rank else None
+        self.engine = self._make_engine() if self.generates else None
         self.step = 0
         self.tensorboard = tensorboard
         self._step_start_rng, self._updated_this_step = None, False  # see `_stopped`
@@ -124,23 +131,33 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------- the named steps
 
     def generate(self) -> RolloutBatch:
-        """Sample prompts_per_step prompts, answer each group_size times."""
-        examples, prompts = [], []
-        for _ in range(self.g.prompts_per_step):
+        """Sample prompts_per_step prompts, answer each group_size times (under dp: every replica
+        draws all the prompts, the same ones, and answers its share of the groups). Rollout k of
+        the step draws from its own seed (`rollout_seed`), so its tokens do not depend on which
+        replica, batch or slot answered it."""
+        G, dp = self.g.group_size, self.group.dp if self.group is not None else 1
+        share = self.g.prompts_per_step // dp
+        dp_rank = self.group.dp_rank if self.group is not None else 0
+        mine = range(dp_rank * share, (dp_rank + 1) * share)
+        self._step_examples, examples, prompts = [], [], []
+        for i in range(self.g.prompts_per_step):
             ex = self.data.source.sample(self.prompt_rng)
-            ids = self.data.prompt_ids(ex)  # rendered once per group (a chat template is not free)
-            examples += [ex] * self.g.group_size
-            prompts += [ids] * self.g.group_size
+            self._step_examples += [ex] * G
+            if i in mine:  # rendered once per group (a chat template is not free)
+                examples += [ex] * G
+                prompts += [self.data.prompt_ids(ex)] * G
+        first = mine.start * G
         s = self.cfg.sampling
         sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
-        gen = torch.Generator(device=self.device).manual_seed(self.g.seed * 1_000_003 + self.step)
+        seeds = [rollout_seed(self.g.seed, self.step, first + k) for k in range(len(prompts))]
         try:
-            result = self.engine.generate(prompts, sampling, generator=gen)
+            result = self.engine.generate(prompts, sampling, seeds=seeds)
         except NonFiniteError as e:
             raise NonFiniteError(f"GRPO step {self.step + 1}, rollouts: {e}") from e
         return RolloutBatch(examples=examples, completions=result.completions, rewards=None,
                             advantages=None, generate_seconds=result.seconds,
-                            num_tokens=result.num_tokens, stats=getattr(result, "stats", None))
+                            num_tokens=result.num_tokens, stats=getattr(result, "stats", None),
+                            first=first)
 
     def score(self, batch: RolloutBatch) -> None:
         rewards = []
@@ -159,8 +176,7 @@ class GRPOTrainer:
         rollout's), each through the policy step of the run's layout. Returns the loss, clip, KL,
         entropy and grad-norm means over minibatches, and the train/inference mismatch of the first
         (before any update of this step: trainer vs rollout engine, same weights)."""
-        order = list(range(len(batch.completions)))
-        chunks = [order[i::self.g.micro_steps] for i in range(self.g.micro_steps)]
+        chunks = replica_chunks(batch.first, len(batch.completions), self.g.micro_steps)
         tap_layers = self.draft.tap_layers if self._cotrain_now() else ()
         logs = []
         for i, idx in enumerate(chunks):
@@ -196,6 +212,9 @@ class GRPOTrainer:
             return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
         if not self._draft_data:
             return {}
+        if self.group is not None and self.group.dp > 1 and d.cotrain_max_tokens:
+            # each replica samples its share of the token budget from its own rollouts
+            d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // self.group.dp))
         metrics = cotrain_draft(self.draft, self.draft_optimizer, self._draft_data, d,
                                 temperature=self.cfg.sampling.temperature,
                                 seed=self.g.seed * 1_000_003 + self.step, loss_fn=self.draft_loss,
@@ -246,12 +265,15 @@ class GRPOTrainer:
         # What a checkpoint of the state before this step holds, should the step fail (`_stopped`)
         self._step_start_rng = (torch.get_rng_state(), self.prompt_rng.getstate())
         self._updated_this_step = False
-        batch = self.generate() if self.is_rollout_rank else None
+        batch = self.generate() if self.generates else None
         t1 = time.perf_counter()
         if batch is not None:
             self.score(batch)
             self.compute_advantages(batch)
-        if self.group is not None:  # the rollouts to every rank (what training needs of them)
+            if self.group is not None and self.group.dp > 1:  # the log's step-wide figures
+                batch.replicas = replicas_view(self._step_examples, batch.rewards,
+                                               batch.completions)
+        if self.group is not None and self.group.replica_size > 1:  # the rollouts to every rank
             shared = self.group.broadcast((batch.completions, batch.advantages) if batch else None)
             if batch is None:
                 batch = RolloutBatch(examples=[], completions=shared[0], rewards=None,
@@ -267,76 +289,27 @@ class GRPOTrainer:
         self.sync_weights()
         t5 = time.perf_counter()
         self.step += 1
-        if not self.is_rollout_rank:
+        if not self.is_lead:
             return None
         return step_metrics(batch, train, {"generate": t1 - t0, "train_policy": t3 - t2,
-                                                "train_draft": t4 - t3,
-                                                "other": (t2 - t1) + (t5 - t4)})
-
-    def rank_state(self) -> dict:
-        """This rank's optimizer states (under pp each stage has its own)."""
-        state = {"optimizer": self.optimizer.state_dict()}
-        if self.draft_optimizer is not None:
-            state["draft_optimizer"] = self.draft_optimizer.state_dict()
-        return state
-
-    def trainer_state(self) -> dict:
-        """Single process: the optimizers inline; distributed: every rank's in ``rank_states``
-        (gathered by `save`, a collective then)."""
-        state = {"step": self.step, "torch_rng": torch.get_rng_state(),
-                 "prompt_rng": self.prompt_rng.getstate()}
-        if self.group is None:
-            return {**state, **self.rank_state()}
-        ranks = self.group.gather(self.rank_state())
-        return {**state, "rank_states": ranks} if self.is_rollout_rank else None
+                                           "train_draft": t4 - t3, "other": (t2 - t1) + (t5 - t4)},
+                            replicas=batch.replicas)
 
     def save(self) -> None:
-        """Atomic checkpoint of the full policy and draft (the engine's synced copies when
-        distributed) and the trainer state; written by the rollout rank."""
-        policy = self.policy if self.group is None else self.rollout_policy
-        draft = self.draft if self.group is None or self.group.pp == 1 else self.rollout_draft
-        bad = []
-        for name, model in (("policy", policy), ("draft", draft)) if self.is_rollout_rank else ():
-            tensors = nonfinite_names(model.state_dict()) if model is not None else []
-            if tensors:
-                bad.append(f"the {name} ({', '.join(tensors[:3])})")
-        if self.group is not None:  # every rank stops alike (the rollout rank is rank 0)
-            bad = self.group.broadcast(bad)
-        if bad:  # never a checkpoint that --resume would refuse
-            raise NonFiniteError(f"GRPO step {self.step}: non-finite weights in "
-                                 f"{' and '.join(bad)}; not checkpointed")
-        state = self.trainer_state()
-        if self.is_rollout_rank:
-            save_checkpoint(f"{self.out_dir}/checkpoints", self.step, policy=policy,
-                            trainer_state=state, config=self.cfg.to_dict(), draft=draft,
-                            keep=self.g.keep_checkpoints)
-        if self.group is not None:  # no rank runs ahead of a checkpoint it might resume from
-            import torch.distributed as dist
+        """Atomic checkpoint of the full policy, the draft and the trainer state
+        (`cospec.rl.trainer_state.save_trainer`; a collective when distributed)."""
+        save_trainer(self)
 
-            dist.barrier()
-
-    @torch.no_grad()
     def restore(self, ckpt: dict) -> None:
-        """Every rank restores its part: the policy (or its stage: the names are the policy's),
-        the draft, its own optimizer states; the rollout rank also the engine's copies."""
-        copy_weights(ckpt["policy"], [self.policy, self.rollout_policy])
-        if ckpt["draft"] is not None:
-            copy_weights(ckpt["draft"], [self.draft, self.rollout_draft])
-        st = ckpt["trainer_state"]
-        mine = st["rank_states"][self.group.rank] if "rank_states" in st else st
-        self.optimizer.load_state_dict(mine["optimizer"])
-        if self.draft_optimizer is not None:
-            self.draft_optimizer.load_state_dict(mine["draft_optimizer"])
-        torch.set_rng_state(st["torch_rng"])
-        self.prompt_rng.setstate(as_tuples(st["prompt_rng"]))
-        self.step = st["step"]
+        """Every rank restores its part (`cospec.rl.trainer_state.restore_trainer`)."""
+        restore_trainer(self, ckpt)
 
     def run(self, *, resume: bool = False, progress: bool = True, on_step=None) -> list[dict]:
         """Train until grpo.steps; with `resume`, continue from the latest checkpoint. Distributed:
         every rank calls it; the rollout rank evaluates, logs and returns the history."""
         resume_step = None
         if resume:
-            warn = print if self.is_rollout_rank else (lambda _: None)
+            warn = print if self.is_lead else (lambda _: None)
             found = load_latest_good(f"{self.out_dir}/checkpoints", device=self.device, warn=warn)
             if found is not None:
                 path, ckpt = found
@@ -369,7 +342,7 @@ class GRPOTrainer:
                 else "No checkpoint was written before it")
 
     def _run(self, resume_step, progress, on_step) -> list[dict]:
-        if not self.is_rollout_rank:
+        if not self.is_lead:
             while self.step < self.g.steps:
                 self.run_step()
                 if self.step % self.g.checkpoint_every == 0 or self.step == self.g.steps:
@@ -397,3 +370,9 @@ class GRPOTrainer:
         finally:
             log.close()
         return history
+
+
+def rollout_seed(seed: int, step: int, k: int) -> int:
+    """The seed of rollout k (step-wide index) of GRPO step ``step`` (0-based): distinct for
+    every (step, k) of a run, whichever replica answers it."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + k) % 2 ** 63

@@ -1,0 +1,100 @@
+"""Data parallelism: FSDP2 sharding of the trained policy over the dp axis, and what goes with it.
+
+# P parameters of a module, dp replicas
+
+Under ``parallel.dp`` every rank is a replica: it generates its share of the step's prompt groups
+with its own engine (a full inference copy of the policy and the draft), and trains on them. The
+trained policy is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`, one unit per decoder
+layer and one for the rest): each rank keeps 1/dp of every parameter, of its gradient and of the
+AdamW state; a forward all-gathers a layer's parameters just before it runs and frees them after
+it, the backward reduce-scatters the gradients.
+
+Loss scale: each rank's loss is its tokens' share of the *global* minibatch mean (divided by the
+all-reduced token count), so the gradients must be *summed* over replicas, not averaged as FSDP2
+does by default (`set_gradient_divide_factor(1)`): then any dp computes the single-process step.
+Gradient clipping on DTensor gradients measures the global norm (the clip all-reduces the
+squared shard norms).
+
+The draft (one layer) is replicated, not sharded: its TTT unroll calls its submodules directly,
+outside the root forward that FSDP2's all-gather hooks onto, and its state is small; its
+gradients are summed over replicas (`all_reduce_grads`, as under cp).
+
+Weight sync: each replica's engine takes the full weights by all-gathering the shards of its own
+dp group (`ShardedWeightSync`): every rank receives (P - P/dp) numbers, none passes through one
+rank, and no object is pickled.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+
+
+def dp_mesh(dp: int):
+    """A one-dimensional device mesh over the world's ``dp`` ranks (its dimension named dp)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
+
+
+def shard_policy(model: nn.Module, mesh) -> nn.Module:
+    """FSDP2 over ``mesh``: one unit per decoder layer, the root (embedding, final norm, head) one
+    more; gradients summed over replicas (module docstring). Returns the same module, sharded."""
+    units = [*model.layers.values(), model]
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+    for unit in units:  # a unit's setting covers its own parameters only
+        unit.set_gradient_divide_factor(1.0)
+        # a plain SUM reduce-scatter: gloo has no pre-multiplied sum (NCCL does; the factor is 1)
+        unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of a (possibly sharded) parameter or gradient (a collective for a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class ShardedWeightSync:
+    """`cospec.rl.weight_sync.WeightSync` from a sharded model into this rank's engine copy: the
+    shards all-gathered over the dp group, parameter by parameter (a collective: every replica
+    pushes at the same time, each into its own engine)."""
+
+    def __init__(self, target: nn.Module):
+        self.target = target
+        self.num_pushes = 0
+
+    @torch.no_grad()
+    def push(self, model: nn.Module) -> None:
+        src, dst = model.state_dict(), self.target.state_dict()
+        if src.keys() != dst.keys():
+            raise ValueError(f"weight sync: models differ: {sorted(set(src) ^ set(dst))[:5]}")
+        for name, t in dst.items():
+            t.copy_(full_tensor(src[name]))
+        self.num_pushes += 1
+
+
+def _on_backend_device(t: torch.Tensor, group) -> torch.Tensor:
+    """``t`` where the group's backend reads it: NCCL only moves CUDA tensors."""
+    if dist.get_backend(group) == "nccl" and not t.is_cuda:
+        return t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t
+
+
+def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:
+    """A summed copy of ``t`` over the group (on ``t``'s device)."""
+    out = _on_backend_device(t.detach().clone(), group)
+    dist.all_reduce(out, group=group)
+    return out.to(t.device)
+
+
+def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
+    """The ranks' equally long tensors concatenated along dim 0, in rank order (on ``t``'s
+    device)."""
+    local = _on_backend_device(t.contiguous(), group)
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts).to(t.device)
