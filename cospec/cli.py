@@ -163,7 +163,7 @@ def cmd_draft_train(args) -> int:
 
 def cmd_train(args) -> int:
     """GRPO from the SFT checkpoint (made if absent), plain or speculative rollouts; under
-    torchrun with parallel.cp or parallel.pp > 1, distributed (cospec.parallel.train_group)."""
+    torchrun with parallel.dp, cp or pp > 1, distributed (cospec.parallel.train_group)."""
     from cospec.parallel.train_group import join_train_group
     from cospec.rl.layouts import check_rl_config
 
@@ -286,8 +286,14 @@ def cmd_bench(args) -> int:
     if args.what == "train-step":
         from cospec.bench import train_step
 
-        train_step.run_cli(_resolve(args), layouts=args.layouts, quick=args.quick,
-                           json_path=args.json)
+        train_step.run_cli(_resolve(args), layouts=args.layouts or "single,single@2,cp2,pp2,dp2",
+                           quick=args.quick, json_path=args.json)
+        return 0
+    if args.what == "rollout-dp":
+        from cospec.bench import rollout_dp
+
+        rollout_dp.run_cli(_resolve(args), layouts=args.layouts or "single,single@2,dp2",
+                           quick=args.quick, json_path=args.json, reuse=args.reuse)
         return 0
     raise ConfigError(f"bench: unknown benchmark {args.what!r}")
 
@@ -331,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     _experiment_args(_command(sub, "experiment", cmd_experiment,
                               "experiments whose figures go to docs/results", what=["stale-draft"]))
     _bench_args(_command(sub, "bench", cmd_bench, "benchmarks that print side-by-side ratios",
-                         what=["generation", "rollout", "cp", "pp", "train-step"]))
+                         what=["generation", "rollout", "cp", "pp", "train-step", "rollout-dp"]))
     return p
 
 
@@ -357,8 +363,10 @@ def _bench_args(b: argparse.ArgumentParser) -> None:
                    help="rollout: comma-separated draft kinds to measure (eagle3, block), one row each")
     b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
     b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
-    b.add_argument("--layouts", default="single,single@2,cp2,pp2",
-                   help="train-step: comma-separated single, single@THREADS, cpN, ppN")
+    b.add_argument("--layouts", default=None,
+                   help="train-step: comma-separated single, single@THREADS, cpN, ppN, dpN "
+                        "(default single,single@2,cp2,pp2,dp2); rollout-dp: single, "
+                        "single@THREADS, dpN (default single,single@2,dp2)")
     b.add_argument("--json", help="also write the rows as JSON to this path")
 
 

@@ -16,13 +16,14 @@ from cospec.config import resolve
 def test_bench_train_step_times_every_layout_on_the_same_step(tmp_path):
     cfg = resolve("tiny", overrides=["grpo.prompts_per_step=2", "grpo.group_size=4",
                                      "parallel.microbatches=2"])
-    run_cli(cfg, layouts="single,single@2,cp2,pp2", quick=True, json_path=str(tmp_path / "t.json"))
+    run_cli(cfg, layouts="single,single@2,cp2,pp2,dp2", quick=True,
+            json_path=str(tmp_path / "t.json"))
     rows = json.loads((tmp_path / "t.json").read_text())["results"]
     assert [(r["layout"], r["ranks"]) for r in rows] == [("single", 1), ("single@2", 1), ("cp2", 2),
-                                                         ("pp2", 2)]
+                                                         ("pp2", 2), ("dp2", 2)]
     batch = synthetic_batch(cfg)
     tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in batch.completions)
-    assert [r["tokens"] for r in rows] == [tokens] * 4
+    assert [r["tokens"] for r in rows] == [tokens] * 5
     for r in rows:
         times = (r["train_policy_seconds"], r["train_draft_seconds"])
         assert all(t > 0 and math.isfinite(t) for t in times), r

@@ -9,7 +9,10 @@ divided by its own token count is off by O(1)). The rollout engine's copy of the
 sync must equal the trained weights exactly (cp: rank 0's replica; pp: the stages gathered).
 How to read a failure: loss right, gradients wrong -> the backward's reduction (cp all-reduce, pp
 clipping across stages); policy right, draft wrong -> the taps' path (cp gather, TapChannel); sync
-wrong -> StageWeightSync / DraftWeightSync.
+wrong -> StageWeightSync / DraftWeightSync. Under dp each replica generates its own groups with
+per-rollout seeds (the same samples as one process makes), FSDP2 sums the replicas' gradients
+(FSDP2's default, the mean, is off by the factor dp and fails here) and every replica keeps half of
+AdamW's state.
 """
 
 import pytest
@@ -53,6 +56,13 @@ def _grads(module) -> dict:
     return {n: _full(p.grad) for n, p in module.named_parameters() if p.grad is not None}
 
 
+def _state_bytes(optimizer) -> int:
+    """Bytes of the optimizer's state tensors held by this rank (an FSDP2 shard: its local part)."""
+    local = [getattr(t, "_local_tensor", t) for st in optimizer.state.values() for t in st.values()
+             if isinstance(t, torch.Tensor) and t.dim() > 0]
+    return sum(t.numel() * t.element_size() for t in local)
+
+
 def _step(cfg, group=None) -> dict:
     policy, draft = _models(cfg)
     trainer = GRPOTrainer(cfg, policy, draft=draft, tensorboard=False, group=group)
@@ -61,7 +71,8 @@ def _step(cfg, group=None) -> dict:
     out = {"policy_grads": _grads(trainer.policy),
            "draft_grads": _grads(trainer.draft) if trainer.owns_draft else {},
            "stage": {k: _full(v) for k, v in trainer.policy.state_dict().items()},
-           "draft": trainer.draft.state_dict() if trainer.owns_draft else None}
+           "draft": trainer.draft.state_dict() if trainer.owns_draft else None,
+           "optimizer_bytes": _state_bytes(trainer.optimizer)}
     if trainer.is_lead:
         out["metrics"] = {k: metrics[k] for k in ("loss", "kl_from_init", "entropy", "grad_norm", "draft_loss")}
         out["engine_policy"] = trainer.rollout_policy.state_dict()
@@ -119,6 +130,10 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
     assert all(torch.equal(root["engine_policy"][k], v) for k, v in trained.items())
     trained_draft = owners[-1]["draft"]
     assert all(torch.equal(root["engine_draft"][k], v) for k, v in trained_draft.items())
+    if layout.startswith("dp"):  # FSDP2: each replica holds its 1/dp of AdamW's state
+        for r in results:
+            assert r["optimizer_bytes"] == pytest.approx(reference["optimizer_bytes"] / ranks,
+                                                         rel=0.02)
 
 
 def _train_then_resume(rank, num_ranks, out_dir, kind, split):

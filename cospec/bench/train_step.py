@@ -11,14 +11,16 @@ group_size) and the same initial weights, so the rows differ only in how the ste
   parallel rows use: the fair comparison on a shared machine);
 - cp=N: N ranks, every minibatch zigzag-sharded, ring attention (`cospec.rl.cp_step`);
 - pp=N: N stages, parallel.microbatches microbatches, TapChannel-fed co-training on the last stage
-  (`cospec.rl.pp_step`).
+  (`cospec.rl.pp_step`);
+- dp=N: N replicas, each training on R / N of the rollouts, the policy FSDP2-sharded
+  (`cospec.rl.dp_step`).
 Each layout runs in fresh spawned processes with one thread per rank; a barrier precedes every step,
 the first step is a warm-up, and the row reports rank 0's median over the others (rank 0 finishes a
 step only after the collectives that end it, so that is the step's time). What a row means: on a
-machine with as many cores as ranks, cp and pp split the step's compute; on this 2-core machine
-the ratio against `single` shows their overhead more than their gain, and that is what it measures.
+machine with as many cores as ranks, cp, pp and dp split the step's compute; on this 2-core
+machine the ratio against `single@2` (the same cores) is what tells them apart.
 
-    cospec bench train-step [--quick] [--layouts single,single@2,cp2,pp2] [--json PATH] [key=value ...]
+    cospec bench train-step [--quick] [--layouts single,single@2,cp2,pp2,dp2] [--json PATH] [key=value ...]
 """
 
 from __future__ import annotations
@@ -58,8 +60,8 @@ def _layout_overrides(layout: str) -> tuple[dict, int]:
     if layout.startswith("single"):
         return {}, 1
     kind, n = layout[:2], int(layout[2:])
-    if kind not in ("cp", "pp") or n < 2:
-        raise ValueError(f"layout must be single, cpN or ppN (N >= 2), got {layout!r}")
+    if kind not in ("cp", "pp", "dp") or n < 2:
+        raise ValueError(f"layout must be single, cpN, ppN or dpN (N >= 2), got {layout!r}")
     return {kind: n}, n
 
 
@@ -79,6 +81,13 @@ def _time_steps(rank: int, num_ranks: int, cfg: RunConfig, layout: str, steps: i
     group = make_train_group(cfg.parallel, rank, num_ranks) if num_ranks > 1 else None
     trainer = GRPOTrainer(cfg, policy, draft=draft, tensorboard=False, group=group)
     batch = synthetic_batch(cfg)
+    tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in batch.completions)  # the whole step's
+    if group is not None and group.dp > 1:  # a replica trains on its share of the rollouts
+        share = len(batch.completions) // group.dp
+        first = group.dp_rank * share
+        batch.completions = batch.completions[first:first + share]
+        batch.advantages = batch.advantages[first:first + share]
+        batch.first = first
     policy_s, draft_s = [], []
     for _ in range(steps + 1):
         dist.barrier()
@@ -92,12 +101,12 @@ def _time_steps(rank: int, num_ranks: int, cfg: RunConfig, layout: str, steps: i
         policy_s.append(t1 - t0)
         draft_s.append(t2 - t1)
         trainer.step += 1
-    tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in batch.completions)
     return {"train_policy_seconds": statistics.median(policy_s[1:]),
             "train_draft_seconds": statistics.median(draft_s[1:]), "tokens": tokens}
 
 
-def run(cfg: RunConfig, layouts=("single", "single@2", "cp2", "pp2"), steps: int = 3) -> list[dict]:
+def run(cfg: RunConfig, layouts=("single", "single@2", "cp2", "pp2", "dp2"),
+        steps: int = 3) -> list[dict]:
     rows = []
     for layout in layouts:
         parallel, ranks = _layout_overrides(layout)
@@ -127,7 +136,7 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_cli(cfg: RunConfig, *, layouts: str = "single,single@2,cp2,pp2", quick: bool = False,
+def run_cli(cfg: RunConfig, *, layouts: str = "single,single@2,cp2,pp2,dp2", quick: bool = False,
             json_path: str | None = None) -> list[dict]:
     steps = 2 if quick else 5
     rows = run(cfg, layouts=layouts.split(","), steps=steps)
