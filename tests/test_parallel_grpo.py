@@ -75,6 +75,7 @@ def _step(cfg, group=None) -> dict:
            "optimizer_bytes": _state_bytes(trainer.optimizer)}
     if trainer.is_lead:
         out["metrics"] = {k: metrics[k] for k in ("loss", "kl_from_init", "entropy", "grad_norm", "draft_loss")}
+    if trainer.generates:  # rank 0; under dp every replica's first rank too
         out["engine_policy"] = trainer.rollout_policy.state_dict()
         out["engine_draft"] = trainer.rollout_draft.state_dict()
     return out
@@ -86,7 +87,9 @@ LAYOUTS = {"cp2": ["parallel.cp=2"], "cp4": ["parallel.cp=4"], "pp2": ["parallel
            # two minibatches: each replica's share of minibatch i is chosen by global index;
            # co-training on every captured token (a token budget is split over the replicas,
            # each sampling its share from its own rollouts: another sample than one process's)
-           "dp2": ["parallel.dp=2", "grpo.micro_steps=2", "draft.cotrain_max_tokens=0"]}
+           "dp2": ["parallel.dp=2", "grpo.micro_steps=2", "draft.cotrain_max_tokens=0"],
+           "dp2xcp2": ["parallel.dp=2", "parallel.cp=2", "grpo.micro_steps=2",
+                       "draft.cotrain_max_tokens=0"]}
 
 
 def _distributed_step(rank, num_ranks, out_dir, layout):
@@ -102,7 +105,7 @@ def _rel(a, b) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("cp4", 4), ("pp2", 2), ("pp4", 4),
-                                           ("pp2xcp2", 4), ("dp2", 2)])
+                                           ("pp2xcp2", 4), ("dp2", 2), ("dp2xcp2", 4)])
 def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout, ranks):
     shared = [o for o in LAYOUTS[layout] if not o.startswith("parallel.")]
     reference = _step(_cfg(tmp_path / "ref", *shared))
@@ -119,18 +122,22 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
             covered.add(name)
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
-    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2, "dp2": 2}[layout]
+    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2, "dp2": 2,
+                           "dp2xcp2": 4}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()
         for name, g in r["draft_grads"].items():
             assert _rel(g, reference["draft_grads"][name]) <= 1e-4, name
-    # The engine's copies are the trained weights, exactly.
+    # Every engine's copies (one per dp replica) are the trained weights, exactly.
     trained = {k: v for r in results for k, v in r["stage"].items()}
-    assert trained.keys() == root["engine_policy"].keys()
-    assert all(torch.equal(root["engine_policy"][k], v) for k, v in trained.items())
     trained_draft = owners[-1]["draft"]
-    assert all(torch.equal(root["engine_draft"][k], v) for k, v in trained_draft.items())
-    if layout.startswith("dp"):  # FSDP2: each replica holds its 1/dp of AdamW's state
+    engines = [r for r in results if "engine_policy" in r]
+    assert len(engines) == (2 if layout.startswith("dp") else 1)
+    for r in engines:
+        assert trained.keys() == r["engine_policy"].keys()
+        assert all(torch.equal(r["engine_policy"][k], v) for k, v in trained.items())
+        assert all(torch.equal(r["engine_draft"][k], v) for k, v in trained_draft.items())
+    if layout.startswith("dp"):  # FSDP2 over every rank: each holds 1/ranks of AdamW's state
         for r in results:
             assert r["optimizer_bytes"] == pytest.approx(reference["optimizer_bytes"] / ranks,
                                                          rel=0.02)

@@ -19,9 +19,13 @@ The draft (one layer) is replicated, not sharded: its TTT unroll calls its submo
 outside the root forward that FSDP2's all-gather hooks onto, and its state is small; its
 gradients are summed over replicas (`all_reduce_grads`, as under cp).
 
-Weight sync: each replica's engine takes the full weights by all-gathering the shards of its own
-dp group (`ShardedWeightSync`): every rank receives (P - P/dp) numbers, none passes through one
-rank, and no object is pickled.
+Weight sync: each replica's engine takes the full weights by all-gathering the shards
+(`ShardedWeightSync`): every rank receives (P - P/N) numbers for N sharding ranks, none passes
+through one rank, and no object is pickled.
+
+dp x cp: the policy is sharded over all dp x cp ranks (torchtitan's flattened "dp_shard_cp"): a
+replica's cp ranks each compute their zigzag shard's share of the loss, and the one reduce-scatter
+sums the shares of every rank, so the cp all-reduce of the gradients is not needed.
 """
 
 from __future__ import annotations
@@ -63,17 +67,20 @@ class ShardedWeightSync:
     shards all-gathered over the dp group, parameter by parameter (a collective: every replica
     pushes at the same time, each into its own engine)."""
 
-    def __init__(self, target: nn.Module):
-        self.target = target
+    def __init__(self, target: nn.Module | None):
+        self.target = target  # None on a rank without an engine (dp x cp: all but a replica's first)
         self.num_pushes = 0
 
     @torch.no_grad()
     def push(self, model: nn.Module) -> None:
-        src, dst = model.state_dict(), self.target.state_dict()
-        if src.keys() != dst.keys():
+        src = model.state_dict()
+        dst = self.target.state_dict() if self.target is not None else None
+        if dst is not None and src.keys() != dst.keys():
             raise ValueError(f"weight sync: models differ: {sorted(set(src) ^ set(dst))[:5]}")
-        for name, t in dst.items():
-            t.copy_(full_tensor(src[name]))
+        for name, t in src.items():  # the same order on every rank: these are collectives
+            whole = full_tensor(t)
+            if dst is not None:
+                dst[name].copy_(whole)
         self.num_pushes += 1
 
 

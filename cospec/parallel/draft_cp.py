@@ -44,13 +44,17 @@ def _all_reduced(count: Tensor, group) -> Tensor:
 
 
 def ttt_loss_cp(draft: TappedDraft, steps: TTTSteps, layout: ZigzagLayout, *, rank: int,
-                group: dist.ProcessGroup | None = None, **loss_kwargs) -> tuple[Tensor, dict]:
+                group: dist.ProcessGroup | None = None, count_group="cp",
+                **loss_kwargs) -> tuple[Tensor, dict]:
     """This rank's share of `ttt_loss` (a collective over ``group``): the ranks' values sum to the
-    cp = 1 loss. ``steps``: `ttt_steps` of the whole packed row (the same on every rank)."""
+    cp = 1 loss. ``steps``: `ttt_steps` of the whole packed row (the same on every rank).
+    ``count_group``: where the trained-token counts are summed ("cp": ``group``; under dp x cp
+    the world, None, so that the shares of every replica sum to the whole step's loss)."""
     local = shard_ttt_steps(layout, steps, rank)
     attention = functools.partial(ring_trunk_branch_attention, group=group)
+    counts = group if count_group == "cp" else count_group
     return ttt_loss_on_steps(draft, local, layout.local_cu_seqlens(), attention=attention,
-                             total_count=functools.partial(_all_reduced, group=group), **loss_kwargs)
+                             total_count=functools.partial(_all_reduced, group=counts), **loss_kwargs)
 
 
 def all_reduce_grads(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:

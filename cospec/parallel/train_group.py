@@ -14,9 +14,11 @@ is the pp x cp ranks of one dp_rank. Roles:
   reach the replica's other ranks by one broadcast per step. (A real deployment puts the engine
   on its own devices; the `WeightSync` seam is where it plugs in.)
 - rank 0 is the *lead*: it also evaluates, logs and writes checkpoints.
-- dp: every replica trains on its own rollouts; the policy is sharded over the replicas with
-  FSDP2 and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp is
-  built alone so far: dp x cp and dp x pp are refused (`check_launch`).
+- dp: every replica trains on its own rollouts; the policy is sharded with FSDP2 over every rank
+  and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp x cp: each
+  replica's cp ranks zigzag-shard its minibatches as under cp alone, and FSDP2 sums the gradient
+  shares of all dp x cp ranks at once (torchtitan's flattened dp-shard x cp mesh). dp x pp is
+  refused (`check_layout`): not built.
 - cp: every rank holds a replica of the policy, the reference and the draft and trains on its
   zigzag shard of every minibatch (`cospec.rl.cp_step`).
 - pp: rank s holds stage s of the policy and the reference; the draft lives on the last stage,
@@ -44,9 +46,10 @@ from cospec.parallel.launch import init_from_env
 class TrainGroup:
     """This process's place in the run: rank = dp_rank * (pp * cp) + stage * cp + cp_rank (the cp
     ranks of a stage are neighbours). cp_group: the ranks holding this rank's stage under pp x cp
-    (None otherwise: under cp alone the cp group is the world); pipe_group/tap_group: the
-    pipeline's two groups of this rank's cp column (pp > 1). Under dp alone the dp group is the
-    world."""
+    or the ranks of this rank's replica under dp x cp (None otherwise: under cp alone the cp group
+    is the world); pipe_group/tap_group: the pipeline's two groups of this rank's cp column
+    (pp > 1); dp_group: under dp x cp, the ranks with this rank's cp_rank in every replica (None:
+    under dp alone the dp group is the world)."""
 
     rank: int
     world: int
@@ -56,6 +59,7 @@ class TrainGroup:
     cp_group: object = None
     pipe_group: object = None
     tap_group: object = None
+    dp_group: object = None
 
     @property
     def replica_size(self) -> int:
@@ -100,6 +104,14 @@ class TrainGroup:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
+    def broadcast_in_replica(self, obj):
+        """``obj`` of the replica's first rank on every rank of the replica (pickled: rollouts).
+        Under dp x cp the replica's group is its cp group; under cp or pp alone the world."""
+        box = [obj if self.generates else None]
+        group = self.cp_group if self.dp > 1 else None
+        dist.broadcast_object_list(box, src=self.dp_rank * self.replica_size, group=group)
+        return box[0]
+
     def gather(self, obj, dst: int = 0) -> list | None:
         """Every rank's ``obj``, in rank order, on rank ``dst`` (None elsewhere)."""
         out = [None] * self.world if self.rank == dst else None
@@ -108,11 +120,11 @@ class TrainGroup:
 
 
 def check_layout(parallel: ParallelConfig) -> None:
-    """ConfigError for a layout that is not built: dp with cp or pp."""
-    if parallel.dp > 1 and parallel.cp * parallel.pp > 1:
-        raise ConfigError(f"parallel.dp={parallel.dp} with cp={parallel.cp} x pp={parallel.pp}: "
-                          f"data parallelism composes with neither cp nor pp yet; use dp alone, "
-                          f"or cp and pp without dp")
+    """ConfigError for a layout that is not built: dp with pp."""
+    if parallel.dp > 1 and parallel.pp > 1:
+        raise ConfigError(f"parallel.dp={parallel.dp} with pp={parallel.pp}: data parallelism does "
+                          f"not compose with pipeline parallelism yet; use dp or dp x cp, or pp "
+                          f"(x cp) without dp")
 
 
 def check_launch(parallel: ParallelConfig) -> None:
@@ -141,7 +153,8 @@ def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGr
     """The roles in an already initialised default group (torchrun, or `launch.spawn` in tests).
 
     Every rank creates every group, in the same order (torch.distributed requires it): for pp x cp,
-    one cp group per stage, then per cp column the pipeline group and TapChannel's group.
+    one cp group per stage, then per cp column the pipeline group and TapChannel's group; for
+    dp x cp, one cp group per replica, then one dp group per cp rank.
     """
     from cospec.parallel.pipeline import pipeline_groups
 
@@ -151,6 +164,15 @@ def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGr
         raise ConfigError(f"parallel: dp={dp} x pp={pp} x cp={cp} needs {dp * cp * pp} processes, "
                           f"the group has {world}")
     group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp, dp=dp)
+    if dp > 1 and cp > 1:
+        for d in range(dp):
+            g = dist.new_group([d * cp + c for c in range(cp)])
+            if d == group.dp_rank:
+                group.cp_group = g
+        for c in range(cp):
+            g = dist.new_group([d * cp + c for d in range(dp)])
+            if c == group.cp_rank:
+                group.dp_group = g
     if pp == 1:
         return group
     if cp > 1:

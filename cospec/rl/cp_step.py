@@ -22,6 +22,8 @@ per chunk edge would avoid it and is not built.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -29,6 +31,7 @@ from torch import Tensor
 from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTBatch, ttt_steps
 from cospec.models.precision import autocast
+from cospec.parallel.data_parallel import all_reduce_sum
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
 from cospec.parallel.ring_attention import RingAttention
 from cospec.parallel.zigzag import ZigzagLayout
@@ -49,12 +52,19 @@ def shard_minibatch(mb: PolicyMinibatch, layout: ZigzagLayout, rank: int) -> Pol
 
 class ContextParallelPolicyStep:
     """`cospec.rl.policy_step.LocalPolicyStep` on zigzag shards (see the module docstring).
-    A collective over ``group``: every rank calls it with the same minibatch."""
+    A collective over ``group``: every rank calls it with the same minibatch.
+
+    ``data_parallel`` (dp x cp): ``group`` is the replica's cp group, the policy is FSDP2-sharded
+    over every rank (which sums the gradient shares of all ranks, so no cp all-reduce here), the
+    minibatch is the replica's share, its loss divided by the token count all-reduced over
+    ``dp_group`` (the replicas), and the statistics are summed over the world."""
 
     def __init__(self, policy, reference, optimizer, *, group, temperature: float, clip_low: float,
-                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = ""):
+                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = "",
+                 data_parallel: bool = False, dp_group=None):
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
         self.group, self.autocast = group, autocast
+        self.data_parallel, self.dp_group = data_parallel, dp_group
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
         self.attention = RingAttention(group)
         self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
@@ -64,6 +74,9 @@ class ContextParallelPolicyStep:
     def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
+        if self.data_parallel:
+            total = all_reduce_sum(torch.tensor(float(mb.num_tokens), device=device), self.dp_group)
+            mb = dataclasses.replace(mb, num_tokens=int(total))
         layout = ZigzagLayout.build(mb.cu_seqlens, self.cp)
         local = shard_minibatch(mb, layout, self.rank)
         positions = layout.local_positions(self.rank)[None]
@@ -77,10 +90,11 @@ class ContextParallelPolicyStep:
             loss, sums = minibatch_terms(out.logits[0], ref_logits, local, **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        all_reduce_grads(self.policy, self.group)
+        if not self.data_parallel:
+            all_reduce_grads(self.policy, self.group)
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm(self.policy.parameters(),
                                                                   self.grad_clip))
-        dist.all_reduce(sums, group=self.group)
+        sums = all_reduce_sum(sums, None if self.data_parallel else self.group)
         captured = []
         if tap_layers:
             gather = lambda x: layout.gather(x.detach(), self.group, dim=0)  # noqa: E731
@@ -95,21 +109,26 @@ class ContextParallelDraftLoss:
     """The co-training loss of one `TTTBatch` (the same whole row on every rank), computed on
     zigzag shards: ``(loss, metrics)`` like `cospec.draft.ttt.ttt_loss`, where loss is this rank's
     share (the ranks' shares sum to the cp = 1 loss) and metrics are the all-reduced, whole-row ones.
-    Call `reduce_grads` after backward and before the optimizer step."""
+    Call `reduce_grads` after backward and before the optimizer step.
 
-    def __init__(self, group):
-        self.group = group
+    ``data_parallel`` (dp x cp): ``group`` is the replica's cp group; the masked means divide by
+    the count all-reduced over the world, the metrics are the world's and the gradients (of the
+    replicated draft) are summed over the world."""
+
+    def __init__(self, group, data_parallel: bool = False):
+        self.group, self.data_parallel = group, data_parallel
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
+        self.sum_group = None if data_parallel else group
 
     def __call__(self, draft, batch: TTTBatch, *, num_steps: int, **loss_kwargs) -> tuple[Tensor, dict]:
         layout = ZigzagLayout.build(batch.cu_seqlens, self.cp)
         steps = ttt_steps(draft, batch, num_steps)
         loss, metrics = ttt_loss_cp(draft, steps, layout, rank=self.rank, group=self.group,
-                                    **loss_kwargs)
+                                    count_group=self.sum_group, **loss_kwargs)
         shares = torch.tensor([metrics["ce"], metrics["tv"]], dtype=torch.float64, device=loss.device)
-        dist.all_reduce(shares, group=self.group)
+        shares = all_reduce_sum(shares, self.sum_group)
         ce, tv = shares.tolist()
         return loss, {"ce": ce, "tv": tv, "acceptance": [1 - x for x in tv]}
 
     def reduce_grads(self, draft) -> None:
-        all_reduce_grads(draft, self.group)
+        all_reduce_grads(draft, self.sum_group)

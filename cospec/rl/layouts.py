@@ -67,20 +67,30 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
 
 
 def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft) -> PolicyLayout:
-    """dp > 1 (alone): the policy and its reference sharded with FSDP2 over the replicas, the
-    draft replicated; every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
+    """dp > 1: the policy and its reference sharded with FSDP2 over every rank (the dp replicas
+    and, under dp x cp, each replica's cp ranks: FSDP2's sum then adds up every rank's share),
+    the draft replicated; every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
     from cospec.parallel.data_parallel import ShardedWeightSync, dp_mesh, shard_policy
     from cospec.rl.dp_step import DataParallelDraftLoss, DataParallelPolicyStep
 
-    g, mesh = cfg.grpo, dp_mesh(group.dp)
+    g, mesh = cfg.grpo, dp_mesh(group.world)
     reference = None
     if g.log_kl or g.kl_coef:  # the KL anchor, sharded like the policy
         reference = shard_policy(copy.deepcopy(policy).eval().requires_grad_(False), mesh)
     trained = shard_policy(policy.train(), mesh)
     optimizer = _adamw(trained, cfg)  # over the shards: AdamW's state is sharded too
-    step = DataParallelPolicyStep(trained, reference, optimizer, group=None, autocast=g.autocast,
-                                  **_loss_kwargs(cfg))
-    draft_loss = DataParallelDraftLoss(group=None)
+    if group.cp > 1:
+        from cospec.rl.cp_step import ContextParallelDraftLoss, ContextParallelPolicyStep
+
+        step = ContextParallelPolicyStep(trained, reference, optimizer, group=group.cp_group,
+                                         autocast=g.autocast, data_parallel=True,
+                                         dp_group=group.dp_group, **_loss_kwargs(cfg))
+        draft_loss = ContextParallelDraftLoss(group=group.cp_group, data_parallel=True)
+    else:
+        step = DataParallelPolicyStep(trained, reference, optimizer, group=None,
+                                      autocast=g.autocast, **_loss_kwargs(cfg))
+        draft_loss = DataParallelDraftLoss(group=None)
+    # every rank takes part in the all-gathers; the replica's generating rank keeps the weights
     return PolicyLayout(trained, reference, optimizer, step,
                         weight_sync=ShardedWeightSync(rollout_policy),
                         draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None,

@@ -104,6 +104,7 @@ class GRPOTrainer:
                                                      lr=cfg.draft.cotrain_lr,
                                                      betas=(0.9, 0.95), weight_decay=0.0)
         self._draft_data: list[TTTBatch] = []
+        self._step_examples: list[Example] = []  # the step's examples over every replica (generate)
         layout = build_policy_layout(cfg, policy, group=group, draft=draft,
                                      rollout_policy=self.rollout_policy,
                                      rollout_draft=self.rollout_draft)
@@ -270,14 +271,16 @@ class GRPOTrainer:
         if batch is not None:
             self.score(batch)
             self.compute_advantages(batch)
-            if self.group is not None and self.group.dp > 1:  # the log's step-wide figures
-                batch.replicas = replicas_view(self._step_examples, batch.rewards,
-                                               batch.completions)
-        if self.group is not None and self.group.replica_size > 1:  # the rollouts to every rank
-            shared = self.group.broadcast((batch.completions, batch.advantages) if batch else None)
+        if self.group is not None and self.group.replica_size > 1:  # the rollouts to the replica
+            shared = self.group.broadcast_in_replica(
+                (batch.completions, batch.advantages, batch.rewards, batch.first) if batch else None)
             if batch is None:
-                batch = RolloutBatch(examples=[], completions=shared[0], rewards=None,
-                                     advantages=shared[1], generate_seconds=0.0, num_tokens=0)
+                batch = RolloutBatch(examples=[], completions=shared[0], rewards=shared[2],
+                                     advantages=shared[1], generate_seconds=0.0, num_tokens=0,
+                                     first=shared[3])
+        if self.group is not None and self.group.dp > 1:  # the log's step-wide figures
+            batch.replicas = replicas_view(self._step_examples, batch.rewards, batch.completions,
+                                           group=self.group.dp_group)
         t2 = time.perf_counter()
         train = self.train_policy(batch)
         t3 = time.perf_counter()
