@@ -107,9 +107,10 @@ def test_data_parallel_layouts_that_cannot_work_are_refused_up_front():
     with pytest.raises(ConfigError, match=r"each replica's 4 rollouts must fill grpo\.micro_steps=8"):
         resolve(overrides=["parallel.dp=2", "grpo.prompts_per_step=2", "grpo.group_size=4",
                            "grpo.micro_steps=8"])
-    with pytest.raises(ConfigError, match="does not compose with pipeline parallelism yet"):
-        check_launch(resolve(overrides=["parallel.dp=2", "parallel.pp=2"]).parallel)
-    with pytest.raises(ConfigError, match="needs 4 processes"):  # dp x cp is a layout
-        check_launch(resolve(overrides=["parallel.dp=2", "parallel.cp=2"]).parallel)
+    with pytest.raises(ConfigError, match=r"parallel\.microbatches.*a minibatch has only 4 "):
+        resolve(overrides=["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=5",
+                           "grpo.prompts_per_step=2", "grpo.group_size=4"])  # 4 per replica
+    with pytest.raises(ConfigError, match="x cp=2 needs 8 processes"):  # every layout is one
+        check_launch(resolve(overrides=["parallel.dp=2", "parallel.pp=2", "parallel.cp=2"]).parallel)
     with pytest.raises(ConfigError, match="needs 2 processes; launch it with torchrun --nproc-per-node 2"):
         check_launch(resolve(overrides=["parallel.dp=2"]).parallel)

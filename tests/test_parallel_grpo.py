@@ -1,6 +1,7 @@
-"""Specification of distributed GRPO (cospec.parallel.train_group, cp_step, pp_step): one whole
-trainer step (rollouts on rank 0, the policy update, the draft's co-training, the weight sync) under
-parallel.cp=N, parallel.pp=N or the 2 x 2 pp x cp mesh equals the same step on one process.
+"""Specification of distributed GRPO (cospec.parallel.train_group, dp_step, cp_step, pp_step): one
+whole trainer step (rollouts, the policy update, the draft's co-training, the weight sync) under
+parallel.cp=N, parallel.pp=N, parallel.dp=2 and the meshes pp x cp, dp x cp, dp x pp and
+dp x pp x cp (8 ranks) equals the same step on one process.
 
 Compared, in fp32: the step's loss, KL, entropy and draft loss; every policy gradient and every
 draft gradient the step leaves behind (relative to the largest entry, tolerance 1e-4: the ranks
@@ -10,9 +11,9 @@ sync must equal the trained weights exactly (cp: rank 0's replica; pp: the stage
 How to read a failure: loss right, gradients wrong -> the backward's reduction (cp all-reduce, pp
 clipping across stages); policy right, draft wrong -> the taps' path (cp gather, TapChannel); sync
 wrong -> StageWeightSync / DraftWeightSync. Under dp each replica generates its own groups with
-per-rollout seeds (the same samples as one process makes), FSDP2 sums the replicas' gradients
-(FSDP2's default, the mean, is off by the factor dp and fails here) and every replica keeps half of
-AdamW's state.
+per-rollout seeds (the same samples as one process makes; every replica's engine is checked),
+FSDP2 sums the gradients of all the ranks it shards over (its default, the mean, is off by that
+count and fails here) and every rank keeps 1/ranks of AdamW's state.
 """
 
 import pytest
@@ -89,7 +90,11 @@ LAYOUTS = {"cp2": ["parallel.cp=2"], "cp4": ["parallel.cp=4"], "pp2": ["parallel
            # each sampling its share from its own rollouts: another sample than one process's)
            "dp2": ["parallel.dp=2", "grpo.micro_steps=2", "draft.cotrain_max_tokens=0"],
            "dp2xcp2": ["parallel.dp=2", "parallel.cp=2", "grpo.micro_steps=2",
-                       "draft.cotrain_max_tokens=0"]}
+                       "draft.cotrain_max_tokens=0"],
+           "dp2xpp2": ["parallel.dp=2", "parallel.pp=2", "grpo.micro_steps=2",
+                       "draft.cotrain_max_tokens=0"],
+           "dp2xpp2xcp2": ["parallel.dp=2", "parallel.pp=2", "parallel.cp=2", "grpo.micro_steps=2",
+                           "draft.cotrain_max_tokens=0"]}
 
 
 def _distributed_step(rank, num_ranks, out_dir, layout):
@@ -105,7 +110,8 @@ def _rel(a, b) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("cp4", 4), ("pp2", 2), ("pp4", 4),
-                                           ("pp2xcp2", 4), ("dp2", 2), ("dp2xcp2", 4)])
+                                           ("pp2xcp2", 4), ("dp2", 2), ("dp2xcp2", 4),
+                                           ("dp2xpp2", 4), ("dp2xpp2xcp2", 8)])
 def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout, ranks):
     shared = [o for o in LAYOUTS[layout] if not o.startswith("parallel.")]
     reference = _step(_cfg(tmp_path / "ref", *shared))
@@ -123,7 +129,7 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
     assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2, "dp2": 2,
-                           "dp2xcp2": 4}[layout]
+                           "dp2xcp2": 4, "dp2xpp2": 2, "dp2xpp2xcp2": 4}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()
         for name, g in r["draft_grads"].items():
@@ -143,7 +149,11 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
                                                          rel=0.02)
 
 
-def _train_then_resume(rank, num_ranks, out_dir, kind, split):
+RESUMED = {"cp2": ["parallel.cp=2"], "pp2": ["parallel.pp=2"], "dp2": ["parallel.dp=2"],
+           "dp2xpp2": ["parallel.dp=2", "parallel.pp=2"]}
+
+
+def _train_then_resume(rank, num_ranks, out_dir, layout, split):
     """Train 3 steps, or `split` steps then a fresh trainer resumed from the checkpoint."""
     from cospec.parallel.train_group import make_train_group
 
@@ -153,7 +163,7 @@ def _train_then_resume(rank, num_ranks, out_dir, kind, split):
                                      "grpo.eval_every=0", "sampling.max_new_tokens=8",
                                      "rollout.speculative=true", "rollout.adaptive=false",
                                      "draft.mode=cotrain", "parallel.microbatches=2",
-                                     f"parallel.{kind}={num_ranks}"])
+                                     *RESUMED[layout]])
     group = make_train_group(cfg.parallel, rank, num_ranks)
     runs = [(3, False)] if split is None else [(split, False), (3, True)]
     for steps, resume in runs:
@@ -168,13 +178,14 @@ def _train_then_resume(rank, num_ranks, out_dir, kind, split):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["cp", "pp", "dp"])
-def test_a_distributed_run_resumes_bit_identically(tmp_path, kind):
-    """Every rank's optimizer state travels through the checkpoint: interrupted after step 2 and
-    resumed, the run ends with exactly the weights of an uninterrupted one (gloo on CPU is
-    deterministic)."""
-    whole = spawn(_train_then_resume, 2, str(tmp_path / "whole"), kind, None, timeout_s=120)[0]
-    resumed = spawn(_train_then_resume, 2, str(tmp_path / "resumed"), kind, 2, timeout_s=120)[0]
+@pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("pp2", 2), ("dp2", 2), ("dp2xpp2", 4)])
+def test_a_distributed_run_resumes_bit_identically(tmp_path, layout, ranks):
+    """Every rank's optimizer state travels through the checkpoint (under dp the full state of
+    each FSDP2-sharded stage): interrupted after step 2 and resumed, the run ends with exactly the
+    weights of an uninterrupted one (gloo on CPU is deterministic)."""
+    whole = spawn(_train_then_resume, ranks, str(tmp_path / "whole"), layout, None, timeout_s=120)[0]
+    resumed = spawn(_train_then_resume, ranks, str(tmp_path / "resumed"), layout, 2,
+                    timeout_s=120)[0]
     for part in ("policy", "draft"):
         assert whole[part].keys() == resumed[part].keys()
         assert all(torch.equal(whole[part][k], v) for k, v in resumed[part].items()), part

@@ -40,10 +40,11 @@ class RunConfig:
                    f"{p.pp} stages for {self.model.num_layers} layers: every stage needs a layer")
             _check(not self.model.tie_embeddings, "parallel.pp",
                    "a tied embedding cannot be split across stages (model.tie_embeddings=false)")
-            per_minibatch = self.grpo.prompts_per_step * self.grpo.group_size // self.grpo.micro_steps
+            per_minibatch = (self.grpo.prompts_per_step * self.grpo.group_size
+                             // self.grpo.micro_steps // p.dp)
             _check(p.microbatches <= per_minibatch, "parallel.microbatches",
                    f"{p.microbatches} microbatches of whole rollouts, a minibatch has only "
-                   f"{per_minibatch} (prompts_per_step * group_size / micro_steps)")
+                   f"{per_minibatch} (prompts_per_step * group_size / micro_steps / dp)")
         if p.dp > 1:
             g = self.grpo
             _check(g.prompts_per_step % p.dp == 0, "parallel.dp",

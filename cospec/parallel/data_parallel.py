@@ -33,14 +33,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 
-def dp_mesh(dp: int):
-    """A one-dimensional device mesh over the world's ``dp`` ranks (its dimension named dp)."""
+def dp_mesh(dp: int, group=None):
+    """A one-dimensional device mesh (its dimension named dp) over the world's ``dp`` ranks, or
+    over the ranks of ``group`` (under dp x pp: the ranks holding one stage in every replica)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if group is not None:
+        return DeviceMesh.from_group(group, device, mesh_dim_names=("dp",))
     return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
 
 
@@ -60,6 +63,11 @@ def shard_policy(model: nn.Module, mesh) -> nn.Module:
 def full_tensor(t: torch.Tensor) -> torch.Tensor:
     """The whole tensor of a (possibly sharded) parameter or gradient (a collective for a DTensor)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a (possibly sharded) tensor, sharing its storage."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class ShardedWeightSync:

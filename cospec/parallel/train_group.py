@@ -5,6 +5,7 @@ under torchrun.
     torchrun --standalone --nproc-per-node 2 -m cospec train parallel.cp=2
     torchrun --standalone --nproc-per-node 2 -m cospec train parallel.pp=2
     torchrun --standalone --nproc-per-node 4 -m cospec train parallel.pp=2 parallel.cp=2
+    torchrun --standalone --nproc-per-node 4 -m cospec train parallel.dp=2 parallel.pp=2
 
 World = dp x pp x cp processes, rank = dp_rank * (pp * cp) + stage * cp + cp_rank: a *replica*
 is the pp x cp ranks of one dp_rank. Roles:
@@ -17,8 +18,9 @@ is the pp x cp ranks of one dp_rank. Roles:
 - dp: every replica trains on its own rollouts; the policy is sharded with FSDP2 over every rank
   and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp x cp: each
   replica's cp ranks zigzag-shard its minibatches as under cp alone, and FSDP2 sums the gradient
-  shares of all dp x cp ranks at once (torchtitan's flattened dp-shard x cp mesh). dp x pp is
-  refused (`check_layout`): not built.
+  shares of all dp x cp ranks at once (torchtitan's flattened dp-shard x cp mesh). dp x pp (x cp):
+  every replica is a pipeline; each stage is sharded over the ranks holding it in every replica
+  (``stage_group``), and the draft co-trains on every replica's last stage.
 - cp: every rank holds a replica of the policy, the reference and the draft and trains on its
   zigzag shard of every minibatch (`cospec.rl.cp_step`).
 - pp: rank s holds stage s of the policy and the reference; the draft lives on the last stage,
@@ -48,8 +50,10 @@ class TrainGroup:
     ranks of a stage are neighbours). cp_group: the ranks holding this rank's stage under pp x cp
     or the ranks of this rank's replica under dp x cp (None otherwise: under cp alone the cp group
     is the world); pipe_group/tap_group: the pipeline's two groups of this rank's cp column
-    (pp > 1); dp_group: under dp x cp, the ranks with this rank's cp_rank in every replica (None:
-    under dp alone the dp group is the world)."""
+    (pp > 1); dp_group: under dp with cp or pp, the ranks at this rank's place (stage, cp rank) in
+    every replica (None: under dp alone the dp group is the world); stage_group: under dp x pp,
+    the ranks holding this rank's stage in every replica (FSDP2 shards the stage over them);
+    replica_group: under dp with cp or pp, the ranks of this rank's replica."""
 
     rank: int
     world: int
@@ -60,6 +64,8 @@ class TrainGroup:
     pipe_group: object = None
     tap_group: object = None
     dp_group: object = None
+    stage_group: object = None
+    replica_group: object = None
 
     @property
     def replica_size(self) -> int:
@@ -89,9 +95,19 @@ class TrainGroup:
 
     @property
     def draft_rank(self) -> int | None:
-        """Under pp the first rank of the last stage, which reports the draft's metrics; None
-        under cp alone (every rank trains the draft)."""
+        """Under pp the first rank of the last stage (of replica 0), which reports the draft's
+        metrics; None under cp alone (every rank trains the draft)."""
         return (self.pp - 1) * self.cp if self.pp > 1 else None
+
+    @property
+    def replica_first_rank(self) -> int:
+        """The rank that generates for this rank's replica."""
+        return self.dp_rank * self.replica_size
+
+    @property
+    def replica_draft_rank(self) -> int | None:
+        """Under pp the first rank of this replica's last stage (its draft's trainer)."""
+        return self.replica_first_rank + self.draft_rank if self.pp > 1 else None
 
     @property
     def owns_draft(self) -> bool:
@@ -105,11 +121,11 @@ class TrainGroup:
         return box[0]
 
     def broadcast_in_replica(self, obj):
-        """``obj`` of the replica's first rank on every rank of the replica (pickled: rollouts).
-        Under dp x cp the replica's group is its cp group; under cp or pp alone the world."""
+        """``obj`` of the replica's first rank on every rank of the replica (pickled: rollouts;
+        under cp or pp alone the replica is the world)."""
         box = [obj if self.generates else None]
-        group = self.cp_group if self.dp > 1 else None
-        dist.broadcast_object_list(box, src=self.dp_rank * self.replica_size, group=group)
+        group = self.replica_group if self.dp > 1 else None
+        dist.broadcast_object_list(box, src=self.replica_first_rank, group=group)
         return box[0]
 
     def gather(self, obj, dst: int = 0) -> list | None:
@@ -119,17 +135,8 @@ class TrainGroup:
         return out
 
 
-def check_layout(parallel: ParallelConfig) -> None:
-    """ConfigError for a layout that is not built: dp with pp."""
-    if parallel.dp > 1 and parallel.pp > 1:
-        raise ConfigError(f"parallel.dp={parallel.dp} with pp={parallel.pp}: data parallelism does "
-                          f"not compose with pipeline parallelism yet; use dp or dp x cp, or pp "
-                          f"(x cp) without dp")
-
-
 def check_launch(parallel: ParallelConfig) -> None:
     """ConfigError unless the processes torchrun started match parallel.dp x pp x cp."""
-    check_layout(parallel)
     want = parallel.dp * parallel.cp * parallel.pp
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world != want:
@@ -152,37 +159,43 @@ def join_train_group(parallel: ParallelConfig, timeout_s: float = 600.0) -> Trai
 def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGroup:
     """The roles in an already initialised default group (torchrun, or `launch.spawn` in tests).
 
-    Every rank creates every group, in the same order (torch.distributed requires it): for pp x cp,
-    one cp group per stage, then per cp column the pipeline group and TapChannel's group; for
-    dp x cp, one cp group per replica, then one dp group per cp rank.
+    Every rank creates every group, in the same order (torch.distributed requires it): the cp
+    groups (one per replica and stage), the dp groups (one per place in a replica), the stage
+    groups (dp x pp: one per stage, over every replica), the replica groups (dp with cp or pp),
+    then per replica and cp column the pipeline group and TapChannel's group.
     """
     from cospec.parallel.pipeline import pipeline_groups
 
-    check_layout(parallel)
     cp, pp, dp = parallel.cp, parallel.pp, parallel.dp
     if world != dp * cp * pp:
         raise ConfigError(f"parallel: dp={dp} x pp={pp} x cp={cp} needs {dp * cp * pp} processes, "
                           f"the group has {world}")
     group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp, dp=dp)
-    if dp > 1 and cp > 1:
+    R = group.replica_size
+    place = lambda d, s, c: d * R + s * cp + c  # noqa: E731  the rank of (replica, stage, cp rank)
+
+    def make(ranks: list[int], field: str) -> None:
+        """A new group over ``ranks`` (every rank creates it); kept in ``field`` by its members."""
+        g = dist.new_group(ranks)
+        if rank in ranks:
+            setattr(group, field, g)
+
+    if cp > 1 and dp * pp > 1:  # under cp alone the cp group is the world
         for d in range(dp):
-            g = dist.new_group([d * cp + c for c in range(cp)])
-            if d == group.dp_rank:
-                group.cp_group = g
-        for c in range(cp):
-            g = dist.new_group([d * cp + c for d in range(dp)])
-            if c == group.cp_rank:
-                group.dp_group = g
-    if pp == 1:
-        return group
-    if cp > 1:
-        for s in range(pp):
-            g = dist.new_group([s * cp + c for c in range(cp)])
-            if s == group.stage:
-                group.cp_group = g
-    for c in range(cp):
-        column = [s * cp + c for s in range(pp)]
-        pipe, taps = pipeline_groups(column)
-        if c == group.cp_rank:
-            group.pipe_group, group.tap_group = pipe, taps
+            for st in range(pp):
+                make([place(d, st, c) for c in range(cp)], "cp_group")
+    if dp > 1 and R > 1:  # under dp alone the dp group is the world
+        for st in range(pp):
+            for c in range(cp):
+                make([place(d, st, c) for d in range(dp)], "dp_group")
+        for st in range(pp if pp > 1 else 0):
+            make([place(d, st, c) for d in range(dp) for c in range(cp)], "stage_group")
+        for d in range(dp):
+            make([d * R + i for i in range(R)], "replica_group")
+    if pp > 1:
+        for d in range(dp):
+            for c in range(cp):
+                pipe, taps = pipeline_groups([place(d, st, c) for st in range(pp)])
+                if (d, c) == (group.dp_rank, group.cp_rank):
+                    group.pipe_group, group.tap_group = pipe, taps
     return group

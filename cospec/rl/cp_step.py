@@ -111,14 +111,15 @@ class ContextParallelDraftLoss:
     share (the ranks' shares sum to the cp = 1 loss) and metrics are the all-reduced, whole-row ones.
     Call `reduce_grads` after backward and before the optimizer step.
 
-    ``data_parallel`` (dp x cp): ``group`` is the replica's cp group; the masked means divide by
-    the count all-reduced over the world, the metrics are the world's and the gradients (of the
-    replicated draft) are summed over the world."""
+    ``sum_group`` (under dp; default: ``group``): the ranks training copies of the draft, over
+    which the masked means' counts, the metrics and the draft's gradients are summed (dp x cp: the
+    world, None; dp x pp x cp: the last stage's ranks in every replica); ``group`` stays the
+    replica's cp group, where the ring runs."""
 
-    def __init__(self, group, data_parallel: bool = False):
-        self.group, self.data_parallel = group, data_parallel
+    def __init__(self, group, sum_group="cp"):
+        self.group = group
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
-        self.sum_group = None if data_parallel else group
+        self.sum_group = group if sum_group == "cp" else sum_group
 
     def __call__(self, draft, batch: TTTBatch, *, num_steps: int, **loss_kwargs) -> tuple[Tensor, dict]:
         layout = ZigzagLayout.build(batch.cu_seqlens, self.cp)

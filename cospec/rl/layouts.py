@@ -85,7 +85,7 @@ def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft)
         step = ContextParallelPolicyStep(trained, reference, optimizer, group=group.cp_group,
                                          autocast=g.autocast, data_parallel=True,
                                          dp_group=group.dp_group, **_loss_kwargs(cfg))
-        draft_loss = ContextParallelDraftLoss(group=group.cp_group, data_parallel=True)
+        draft_loss = ContextParallelDraftLoss(group=group.cp_group, sum_group=None)
     else:
         step = DataParallelPolicyStep(trained, reference, optimizer, group=None,
                                       autocast=g.autocast, **_loss_kwargs(cfg))
@@ -98,9 +98,11 @@ def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft)
 
 
 def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_draft) -> PolicyLayout:
-    """pp > 1: this rank's stage, its reference stage, the pipelined step; the stages of cp column 0
-    (rank 0's) make up the policy the engine gets, the other columns hold equal replicas and send
-    nothing; under cp the last stage's cp ranks co-train the draft on zigzag shards."""
+    """pp > 1: this rank's stage, its reference stage, the pipelined step; in every replica the
+    stages of cp column 0 make up the policy that replica's engine gets, the other columns hold
+    equal replicas and send nothing; under cp the last stage's cp ranks co-train the draft on
+    zigzag shards. Under dp x pp each stage (and its reference) is FSDP2-sharded over the ranks
+    holding it in every replica, and the replicas' last stages co-train copies of the draft."""
     from cospec.parallel.pipeline import build_stage, split_layers
     from cospec.rl.pp_step import DraftWeightSync, PipelinedPolicyStep, StageWeightSync
 
@@ -108,22 +110,45 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
     stage = dict(layers=layers[group.stage], stage=group.stage, num_stages=group.pp)
     trained = build_stage(policy, **stage).train()
     reference = build_stage(policy, **stage).eval().requires_grad_(False)
+    sharded = group.dp > 1
+    if sharded:
+        from cospec.parallel.data_parallel import dp_mesh, shard_policy
+
+        mesh = dp_mesh(group.dp * group.cp, group.stage_group)
+        trained, reference = shard_policy(trained, mesh), shard_policy(reference, mesh)
     optimizer = _adamw(trained, cfg)
     taps = draft.tap_layers if draft is not None and cfg.draft.mode == "cotrain" else ()
     step = PipelinedPolicyStep(
         trained, reference, optimizer, stage=group.stage, stage_layers=layers,
         pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
+        dp_group=group.dp_group, data_parallel=sharded,
         num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
         tap_layers=taps, **_loss_kwargs(cfg))
+    feeds_engine = group.cp_rank == 0  # the pipeline of cp column 0 gathers for the engine
+    weight_sync = (StageWeightSync(group.pipe_group if feeds_engine else None, rollout_policy,
+                                   dst=group.replica_first_rank)
+                   if feeds_engine or sharded else None)
     layout = PolicyLayout(
-        trained, reference, optimizer, step,
-        weight_sync=StageWeightSync(group.pipe_group, rollout_policy) if group.cp_rank == 0 else None,
-        draft_sync=DraftWeightSync(rollout_draft, src=group.draft_rank) if draft is not None else None)
-    if group.cp > 1:
+        trained, reference, optimizer, step, weight_sync=weight_sync,
+        draft_sync=(DraftWeightSync(rollout_draft, src=group.replica_draft_rank,
+                                    dst=group.replica_first_rank) if draft is not None else None))
+    # the draft's loss and gradients summed over its trainers: the last stage's cp ranks, and
+    # under dp those of every replica (the last stage's stage group)
+    if sharded and group.cp > 1:
+        from cospec.rl.cp_step import ContextParallelDraftLoss
+
+        cp_loss = ContextParallelDraftLoss(group=group.cp_group, sum_group=group.stage_group)
+    elif sharded:
+        from cospec.rl.dp_step import DataParallelDraftLoss
+
+        cp_loss = DataParallelDraftLoss(group=group.stage_group)
+    elif group.cp > 1:
         from cospec.rl.cp_step import ContextParallelDraftLoss
 
         cp_loss = ContextParallelDraftLoss(group=group.cp_group)
-        layout.draft_loss, layout.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
+    else:
+        return layout
+    layout.draft_loss, layout.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
     return layout
 
 

@@ -29,19 +29,24 @@ gathered) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from cospec.draft.ttt import TTTBatch, cat_batches
+from cospec.parallel.data_parallel import all_reduce_sum, full_tensor, local_tensor
 from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport
 from cospec.parallel.tap_channel import TapChannel
 from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms, step_if_finite
 
 
 def clip_grad_norm_across_stages(params, max_norm: float, group) -> Tensor:
-    """Step 3: the global gradient norm of all stages' ``params``; clipped in place if max_norm > 0."""
-    grads = [p.grad for p in params if p.grad is not None]
+    """Step 3: the global gradient norm of all stages' ``params``; clipped in place if max_norm > 0.
+    ``group``: the ranks whose gradients together hold every gradient entry once (the pipeline;
+    under dp x pp the world, each rank holding its FSDP2 shards of its stage's)."""
+    grads = [local_tensor(p.grad) for p in params if p.grad is not None]
     device = grads[0].device if grads else torch.device("cpu")
     sq = torch.zeros((), device=device, dtype=torch.float32)
     for g in grads:
@@ -65,8 +70,8 @@ class PipelinedPolicyStep:
 
     def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
                  pipe_group, tap_group, num_microbatches: int, schedule: str, tap_layers=(),
-                 cp_group=None, temperature: float, clip_low: float, clip_high: float,
-                 kl_coef: float, grad_clip: float):
+                 cp_group=None, dp_group=None, data_parallel: bool = False, temperature: float,
+                 clip_low: float, clip_high: float, kl_coef: float, grad_clip: float):
         self.model, self.reference, self.optimizer = model, reference, optimizer
         self.stage, self.num_stages = stage, len(stage_layers)
         self.first, self.last = stage == 0, stage == self.num_stages - 1
@@ -75,6 +80,10 @@ class PipelinedPolicyStep:
         # pp x cp: this stage is held by the ranks of cp_group, each running it on its zigzag shard
         # of every microbatch with ring attention inside the group.
         self.cp_group = cp_group
+        # dp x pp: the stage is FSDP2-sharded over every replica's ranks of it (which sums the
+        # replicas' and cp ranks' gradient shares); the minibatch is the replica's share, its loss
+        # divided by the token count summed over dp_group (this rank's place in every replica).
+        self.data_parallel, self.dp_group = data_parallel, dp_group
         self.cp = dist.get_world_size(cp_group) if cp_group is not None else 1
         self.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
         if cp_group is not None:
@@ -131,6 +140,9 @@ class PipelinedPolicyStep:
             raise ValueError(f"tap_layers {tuple(tap_layers)}: the TapChannel was built for "
                              f"{self.tap_layers}")
         device = next(self.model.parameters()).device
+        if self.data_parallel:
+            total = all_reduce_sum(torch.tensor(float(mb.num_tokens), device=device), self.dp_group)
+            mb = dataclasses.replace(mb, num_tokens=int(total))
         mbs, wholes, layouts = self._split(mb, device)
         ref_logits = self.reference_logits(mbs)
         sums: list[Tensor] = []
@@ -157,9 +169,12 @@ class PipelinedPolicyStep:
         self.num_steps += 1
         self._sum_gradients_over_cp()
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm_across_stages(
-            list(self.model.parameters()), self.grad_clip, self.pipe_group))
-        return (self._broadcast_sums(sums, device), grad_norm,
-                [cat_batches(captured)] if captured else [])
+            list(self.model.parameters()), self.grad_clip,
+            None if self.data_parallel else self.pipe_group))
+        sums = self._broadcast_sums(sums, device)
+        if self.data_parallel:
+            sums = all_reduce_sum(sums, self.dp_group)
+        return sums, grad_norm, [cat_batches(captured)] if captured else []
 
     def _split(self, mb: PolicyMinibatch, device) -> tuple[list[PolicyMinibatch],
                                                            list[PolicyMinibatch], list | None]:
@@ -196,8 +211,9 @@ class PipelinedPolicyStep:
                         policy_logits=gather(logits_TV))
 
     def _sum_gradients_over_cp(self) -> None:
-        """Under pp x cp, the stage's replicas each hold their shards' gradients: sum them."""
-        if self.cp_group is None:
+        """Under pp x cp, the stage's replicas each hold their shards' gradients: sum them (under
+        dp x pp x cp FSDP2 has summed them)."""
+        if self.cp_group is None or self.data_parallel:
             return
         for p in self.model.parameters():
             if p.grad is not None:
@@ -215,7 +231,9 @@ class PipelinedPolicyStep:
 class StageWeightSync:
     """The seam of `cospec.rl.weight_sync` for a pipelined policy: ``push(stage)`` is a collective
     over ``group``; the stages' state dicts (checkpoint names) are gathered on rank ``dst`` and
-    copied into ``target`` there (the rollout engine's full policy; None on other ranks)."""
+    copied into ``target`` there (the rollout engine's full policy; None on other ranks). Under
+    dp x pp the stage's FSDP2 shards are all-gathered first, on every rank of the stage; a rank
+    outside the pipeline that feeds the engine (``group`` None: another cp column) stops there."""
 
     def __init__(self, group, target: nn.Module | None, dst: int = 0):
         self.group, self.target, self.dst = group, target, dst
@@ -223,7 +241,9 @@ class StageWeightSync:
 
     @torch.no_grad()
     def push(self, stage: nn.Module) -> None:
-        state = {k: v.detach().cpu() for k, v in stage.state_dict().items()}
+        state = {k: full_tensor(v).detach().cpu() for k, v in stage.state_dict().items()}
+        if self.group is None:
+            return
         rank = dist.get_rank()
         parts = [None] * dist.get_world_size(self.group) if rank == self.dst else None
         dist.gather_object(state, parts, dst=self.dst, group=self.group)

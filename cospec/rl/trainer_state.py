@@ -5,8 +5,9 @@ config, and the trainer state: the step, the RNG states and the optimizers.
 - one process: the optimizers' state dicts inline;
 - cp / pp: every rank's own (``rank_states``, gathered on rank 0): a cp replica's or a pp stage's;
 - dp: the *full* AdamW state of the sharded policy (`get_optimizer_state_dict` with
-  ``full_state_dict``: the shards all-gathered, parameter by parameter, and kept on rank 0 in CPU
-  memory), and the replicated draft's optimizer from rank 0. Every rank reads the checkpoint file
+  ``full_state_dict``: the shards all-gathered, parameter by parameter), written by rank 0, and
+  the replicated draft's optimizer from rank 0; under dp x pp one full state per stage, taken
+  from the stage's first rank among the gathered ``rank_states``. Every rank reads the checkpoint file
   back and keeps its own shard. (`torch.distributed.checkpoint`, where each rank writes its own
   shard and no rank holds the whole state, is what a model too large for one host needs; not built.)
 The weights come from the engine's synced copies when distributed (rank 0 holds a full one).
@@ -31,14 +32,27 @@ def _full_state_options(**kwargs):
     return StateDictOptions(full_state_dict=True, **kwargs)
 
 
+def _to_cpu(x):
+    if isinstance(x, torch.Tensor):
+        return x.detach().cpu()
+    if isinstance(x, dict):
+        return {k: _to_cpu(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return type(x)(_to_cpu(v) for v in x)
+    return x
+
+
 def rank_state(trainer) -> dict:
     """This rank's optimizer states (under pp each stage has its own; under dp the policy's is
     the full one, a collective)."""
     if _sharded(trainer):
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        policy_state = get_optimizer_state_dict(trainer.policy, trainer.optimizer,
-                                                options=_full_state_options(cpu_offload=True))
+        # Not cpu_offload: that keeps the state on *global* rank 0 only, which under dp x pp holds
+        # no later stage. Every rank of the stage gets it whole for a moment (the price of a
+        # full-state checkpoint) and keeps a CPU copy to send.
+        policy_state = _to_cpu(get_optimizer_state_dict(trainer.policy, trainer.optimizer,
+                                                        options=_full_state_options()))
     else:
         policy_state = trainer.optimizer.state_dict()
     state = {"optimizer": policy_state}
@@ -53,10 +67,13 @@ def trainer_state(trainer) -> dict | None:
              "prompt_rng": trainer.prompt_rng.getstate()}
     if trainer.group is None:
         return {**state, **rank_state(trainer)}
-    if _sharded(trainer):
+    if _sharded(trainer) and trainer.group.pp == 1:
         mine = rank_state(trainer)
         return {**state, **mine} if trainer.is_lead else None
-    ranks = trainer.group.gather(rank_state(trainer))
+    mine, group = rank_state(trainer), trainer.group
+    if _sharded(trainer) and group.rank != group.stage * group.cp:
+        mine = {}  # dp x pp: the stage's first rank sends the stage's full state, once
+    ranks = group.gather(mine)
     return {**state, "rank_states": ranks} if trainer.is_lead else None
 
 
@@ -89,20 +106,22 @@ def save_trainer(trainer) -> None:
 def restore_trainer(trainer, ckpt: dict) -> None:
     """Every rank restores its part: the policy (or its stage, or its shard), the draft, its own
     optimizer states; a generating rank also its engine's copies."""
-    st = ckpt["trainer_state"]
+    st, group = ckpt["trainer_state"], trainer.group
     if _sharded(trainer):
         from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
                                                              set_optimizer_state_dict)
 
-        set_model_state_dict(trainer.policy, ckpt["policy"].state_dict(),
-                             options=_full_state_options())
-        set_optimizer_state_dict(trainer.policy, trainer.optimizer, st["optimizer"],
+        names = trainer.policy.state_dict().keys()  # a pipeline stage's, or the whole policy's
+        set_model_state_dict(trainer.policy, {k: v for k, v in ckpt["policy"].state_dict().items()
+                                              if k in names}, options=_full_state_options())
+        # dp x pp: the stage's full state was kept by its first rank (replica 0, cp rank 0)
+        mine = st if group.pp == 1 else st["rank_states"][group.stage * group.cp]
+        set_optimizer_state_dict(trainer.policy, trainer.optimizer, mine["optimizer"],
                                  options=_full_state_options())
         copy_weights(ckpt["policy"], [trainer.rollout_policy])
-        mine = st
     else:
         copy_weights(ckpt["policy"], [trainer.policy, trainer.rollout_policy])
-        mine = st["rank_states"][trainer.group.rank] if "rank_states" in st else st
+        mine = st["rank_states"][group.rank] if "rank_states" in st else st
         trainer.optimizer.load_state_dict(mine["optimizer"])
     if ckpt["draft"] is not None:
         copy_weights(ckpt["draft"], [trainer.draft, trainer.rollout_draft])
