@@ -12,7 +12,7 @@ is the pp x cp ranks of one dp_rank. Roles:
 - the first rank of every replica *generates*: it owns a rollout engine (a full copy of the policy
   and of the draft), generates its replica's share of the step's prompt groups (a group never
   straddles replicas), scores them and computes their advantages. Under cp or pp its rollouts
-  reach the replica's other ranks by one broadcast per step. (A real deployment puts the engine
+  reach the replica's other ranks as tensors (`cospec.parallel.tensor_transfer`). (A real deployment puts the engine
   on its own devices; the `WeightSync` seam is where it plugs in.)
 - rank 0 is the *lead*: it also evaluates, logs and writes checkpoints.
 - dp: every replica trains on its own rollouts; the policy is sharded with FSDP2 over every rank
@@ -120,13 +120,11 @@ class TrainGroup:
         dist.broadcast_object_list(box, src=src)
         return box[0]
 
-    def broadcast_in_replica(self, obj):
-        """``obj`` of the replica's first rank on every rank of the replica (pickled: rollouts;
-        under cp or pp alone the replica is the world)."""
-        box = [obj if self.generates else None]
-        group = self.replica_group if self.dp > 1 else None
-        dist.broadcast_object_list(box, src=self.replica_first_rank, group=group)
-        return box[0]
+    @property
+    def replica_collectives(self):
+        """The group of this rank's replica for collectives (None: the world, under cp or pp
+        alone)."""
+        return self.replica_group if self.dp > 1 else None
 
     def gather(self, obj, dst: int = 0) -> list | None:
         """Every rank's ``obj``, in rank order, on rank ``dst`` (None elsewhere)."""

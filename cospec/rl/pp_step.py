@@ -24,7 +24,7 @@ logits of m; the microbatches' data are packed back into the minibatch's `TTTBat
 trainer's co-training runs on it there, exactly as on one process.
 
 Weights reach the rollout engine on rank 0 through `StageWeightSync` (the stages' state dicts,
-gathered) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
+sent as tensors) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from torch import Tensor, nn
 from cospec.draft.ttt import TTTBatch, cat_batches
 from cospec.parallel.data_parallel import all_reduce_sum, full_tensor, local_tensor
 from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport
+from cospec.parallel.tensor_transfer import StateDictReceiver, StateDictSender
 from cospec.parallel.tap_channel import TapChannel
 from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms, step_if_finite
 
@@ -230,40 +231,49 @@ class PipelinedPolicyStep:
 
 class StageWeightSync:
     """The seam of `cospec.rl.weight_sync` for a pipelined policy: ``push(stage)`` is a collective
-    over ``group``; the stages' state dicts (checkpoint names) are gathered on rank ``dst`` and
-    copied into ``target`` there (the rollout engine's full policy; None on other ranks). Under
-    dp x pp the stage's FSDP2 shards are all-gathered first, on every rank of the stage; a rank
-    outside the pipeline that feeds the engine (``group`` None: another cp column) stops there."""
+    over ``group`` (a replica's pipeline of cp column 0): every stage sends its state dict
+    (checkpoint names) to rank ``dst``, which copies the stages into ``target`` (the replica's
+    rollout engine; None on other ranks). Tensors only (`cospec.parallel.tensor_transfer`; the
+    names and shapes go once, at the first push). Under dp x pp the stage's FSDP2 shards are
+    all-gathered first, on every rank of the stage; a rank outside the pipeline that feeds the
+    engine (``group`` None: another cp column) stops there."""
 
     def __init__(self, group, target: nn.Module | None, dst: int = 0):
         self.group, self.target, self.dst = group, target, dst
         self.num_pushes = 0
+        self._sender, self._receivers = None, None
 
     @torch.no_grad()
     def push(self, stage: nn.Module) -> None:
-        state = {k: full_tensor(v).detach().cpu() for k, v in stage.state_dict().items()}
+        state = {k: full_tensor(v).detach() for k, v in stage.state_dict().items()}
         if self.group is None:
             return
-        rank = dist.get_rank()
-        parts = [None] * dist.get_world_size(self.group) if rank == self.dst else None
-        dist.gather_object(state, parts, dst=self.dst, group=self.group)
-        if rank == self.dst:
-            merged = {k: v for part in parts for k, v in part.items()}
-            dst = self.target.state_dict()
-            if merged.keys() != dst.keys():
-                raise ValueError(f"stage weight sync: the stages' weights do not make up the policy: "
-                                 f"{sorted(set(merged) ^ set(dst))[:5]}")
-            for name, t in dst.items():
-                t.copy_(merged[name])
         self.num_pushes += 1
+        if dist.get_rank() != self.dst:
+            self._sender = self._sender or StateDictSender(self.dst)
+            self._sender.send(state)
+            return
+        if self._receivers is None:
+            self._receivers = [StateDictReceiver(r) for r in dist.get_process_group_ranks(self.group)
+                               if r != self.dst]
+        merged = dict(state)
+        for receiver in self._receivers:
+            merged.update(receiver.receive())
+        dst = self.target.state_dict()
+        if merged.keys() != dst.keys():
+            raise ValueError(f"stage weight sync: the stages' weights do not make up the policy: "
+                             f"{sorted(set(merged) ^ set(dst))[:5]}")
+        for name, t in dst.items():
+            t.copy_(merged[name])
 
 
 class DraftWeightSync:
     """The draft's weights from the stage that trains it (``src``) to the rollout engine's copy on
-    ``dst``; ``push(draft)`` is called on both (other ranks: no-op)."""
+    ``dst``; ``push(draft)`` is called on both (other ranks: no-op). Tensors only, as above."""
 
     def __init__(self, target: nn.Module | None, *, src: int, dst: int = 0):
         self.target, self.src, self.dst = target, src, dst
+        self._sender, self._receiver = None, None
 
     @torch.no_grad()
     def push(self, draft: nn.Module) -> None:
@@ -274,10 +284,10 @@ class DraftWeightSync:
                     t.copy_(draft.state_dict()[name])
             return
         if rank == self.src:
-            dist.send_object_list([{k: v.detach().cpu() for k, v in draft.state_dict().items()}],
-                                  dst=self.dst)
+            self._sender = self._sender or StateDictSender(self.dst)
+            self._sender.send(draft.state_dict())
         elif rank == self.dst:
-            box = [None]
-            dist.recv_object_list(box, src=self.src)
+            self._receiver = self._receiver or StateDictReceiver(self.src)
+            state = self._receiver.receive()
             for name, t in self.target.state_dict().items():
-                t.copy_(box[0][name])
+                t.copy_(state[name])

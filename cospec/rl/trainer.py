@@ -38,6 +38,7 @@ from cospec.metrics.progress import progress_bar
 from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
+from cospec.parallel.tensor_transfer import broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
 from cospec.rl.cotrain import cotrain_draft
@@ -272,8 +273,9 @@ class GRPOTrainer:
             self.score(batch)
             self.compute_advantages(batch)
         if self.group is not None and self.group.replica_size > 1:  # the rollouts to the replica
-            shared = self.group.broadcast_in_replica(
-                (batch.completions, batch.advantages, batch.rewards, batch.first) if batch else None)
+            shared = broadcast_rollouts(
+                (batch.completions, batch.advantages, batch.rewards, batch.first) if batch else None,
+                src=self.group.replica_first_rank, group=self.group.replica_collectives)
             if batch is None:
                 batch = RolloutBatch(examples=[], completions=shared[0], rewards=shared[2],
                                      advantages=shared[1], generate_seconds=0.0, num_tokens=0,
