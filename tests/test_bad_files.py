@@ -204,6 +204,14 @@ def test_a_trainer_state_without_its_optimizer_names_what_is_missing(tmp_path):
         load_checkpoint(tmp_path / "step_000001")
 
 
+def test_a_data_parallel_checkpoint_without_its_shards_is_refused(tmp_path):
+    save_steps(tmp_path, [1])
+    torch.save({"step": 1, "torch_rng": torch.get_rng_state(), "prompt_rng": [], "sharded": True},
+               tmp_path / "step_000001" / "trainer_state.pt")
+    with pytest.raises(CheckpointError, match=r"step_000001: no sharded/ directory"):
+        load_checkpoint(tmp_path / "step_000001")
+
+
 def test_a_speculative_runs_checkpoint_without_its_draft_is_refused(tmp_path):
     """Resuming it would co-train the offline draft with the co-trained one's optimizer state."""
     save_steps(tmp_path, [1], config={"rollout": {"speculative": True}})

@@ -7,6 +7,8 @@ Layout under ``<out_dir>/rl/checkpoints``:
         draft/               the draft, when the run has one (`save_draft`)
         trainer_state.pt     optimizer state(s), RNG states, prompt-stream state, step, controller
         config.json          the run config
+        sharded/             under parallel.dp: the sharded policy and optimizer states,
+                             `torch.distributed.checkpoint` files (each rank wrote its own shards)
     latest                   name of the newest complete checkpoint ("step_000010")
 
 Atomicity: a checkpoint is written into a hidden temporary directory and renamed into place in one
@@ -36,14 +38,29 @@ LATEST = "latest"
 PREFIX = "step_"
 
 
-def save_checkpoint(root: str | Path, step: int, *, policy, trainer_state: dict, config: dict,
-                    draft=None, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`."""
+def staging_dir(root: str | Path, step: int) -> Path:
+    """The temporary directory checkpoint ``step`` is assembled in before its rename (a fixed name,
+    so that every rank of a distributed run writes its shards into the same one), emptied of
+    earlier attempts; stale temporary directories are removed."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
+    tmp = root / f".tmp-{PREFIX}{step:06d}"
+    tmp.mkdir()
+    return tmp
+
+
+def save_checkpoint(root: str | Path, step: int, *, policy, trainer_state: dict, config: dict,
+                    draft=None, keep: int = 2, staged: Path | None = None) -> Path:
+    """Write checkpoint `step` atomically, point `latest` at it, keep the newest `keep`.
+    ``staged``: a `staging_dir` other ranks have already written their shards into."""
+    root = Path(root)
+    if staged is None:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob(".tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+    tmp = staged or Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     name = f"{PREFIX}{step:06d}"
     try:
         save_hf(policy, tmp / "policy")
@@ -88,7 +105,7 @@ def checkpoint_dirs(root: Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, *, device=None) -> dict:
-    """{"policy": Transformer, "draft": draft or None, "trainer_state": dict, "config": dict}.
+    """{"path", "policy": Transformer, "draft": draft or None, "trainer_state": dict, "config": dict}.
 
     A file that cannot be read raises `CheckpointError` naming it; a non-finite weight,
     `NonFiniteError`."""
@@ -96,8 +113,12 @@ def load_checkpoint(path: str | Path, *, device=None) -> dict:
     state = read_torch(path / "trainer_state.pt", "the trainer state")
     missing = [k for k in ("step", "torch_rng", "prompt_rng") if not isinstance(state, dict)
                or k not in state]
-    if not missing and "optimizer" not in state and "rank_states" not in state:
+    if (not missing and "optimizer" not in state and "rank_states" not in state
+            and not state.get("sharded")):
         missing = ["optimizer"]
+    if isinstance(state, dict) and state.get("sharded") and not (path / "sharded").is_dir():
+        raise CheckpointError(f"{path}: no sharded/ directory, though its trainer state says the "
+                              f"optimizer states are there")
     if missing:
         raise CheckpointError(f"{path / 'trainer_state.pt'}: not a trainer state (no {missing[0]})")
     config = read_json_object(path / "config.json", "the run config")
@@ -105,7 +126,7 @@ def load_checkpoint(path: str | Path, *, device=None) -> dict:
     if speculative and not (path / "draft").exists():
         raise CheckpointError(f"{path}: no draft/ directory, though the run's rollouts are "
                               f"speculative (its draft is part of the state)")
-    return {"policy": load_hf(path / "policy", device=device),
+    return {"path": path, "policy": load_hf(path / "policy", device=device),
             "draft": load_draft(path / "draft", device=device) if (path / "draft").exists() else None,
             "trainer_state": state, "config": config}
 
