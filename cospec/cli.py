@@ -67,6 +67,18 @@ def cmd_config(args) -> int:
     return 0
 
 
+def cmd_plan(args) -> int:
+    """Memory per rank and collective bytes per step of the configured run, from formulas."""
+    from cospec.parallel.plan import format_plan, plan
+
+    cfg = _resolve(args)  # a model.path checkpoint gives the architecture (its config.json only)
+    if args.context is not None and args.context < 1:
+        raise ConfigError(f"--context: must be >= 1, got {args.context}")
+    context = args.context or cfg.model.max_seq_len
+    print(format_plan(cfg, plan(cfg, context=context), context))
+    return 0
+
+
 def cmd_sft(args) -> int:
     cfg = _resolve(args)
     if cfg.model.path:
@@ -253,49 +265,9 @@ def cmd_experiment(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from cospec.bench import generation
+    from cospec.bench.command import run_bench
 
-    if args.what == "rollout":
-        from cospec.bench import rollout
-
-        drafts = tuple(args.drafts.split(","))
-        unknown = set(drafts) - {"eagle3", "block", "lm"}
-        if unknown:
-            raise ConfigError(f"--drafts: unknown draft kind(s) {sorted(unknown)} (eagle3, block, lm)")
-        cfg = _resolve(args, switched_on=("rollout.speculative=true",
-                                          *(f"draft.kind={k}" for k in drafts)))
-        sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
-        rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
-                        json_path=args.json, hf=not args.no_hf, workload=args.workload,
-                        reuse=args.reuse, drafts=drafts)
-        return 0
-    if args.what == "generation":
-        sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
-        rows = generation.run_cli(_resolve(args), batch_sizes=[int(b) for b in sizes.split(",")],
-                                  repeats=1 if args.quick else 2, json_path=args.json)
-        return 0 if rows else 1
-    if args.what == "cp":
-        from cospec.bench import cp
-
-        return 0 if cp.run_cli(args.quick, args.tokens, args.cp, args.json) else 1
-    if args.what == "pp":
-        from cospec.bench import pp
-
-        pp.run_cli(_resolve(args), quick=args.quick, json_path=args.json)
-        return 0
-    if args.what == "train-step":
-        from cospec.bench import train_step
-
-        train_step.run_cli(_resolve(args), layouts=args.layouts or "single,single@2,cp2,pp2,dp2",
-                           quick=args.quick, json_path=args.json)
-        return 0
-    if args.what == "rollout-dp":
-        from cospec.bench import rollout_dp
-
-        rollout_dp.run_cli(_resolve(args), layouts=args.layouts or "single,single@2,dp2",
-                           quick=args.quick, json_path=args.json, reuse=args.reuse)
-        return 0
-    raise ConfigError(f"bench: unknown benchmark {args.what!r}")
+    return run_bench(args, lambda **kw: _resolve(args, **kw))
 
 
 def _command(sub, name: str, fn, help_: str, *, config: bool = True, reuse: bool = True,
@@ -316,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     c = _command(sub, "config", cmd_config, "print the resolved config", reuse=False)
     c.add_argument("--describe", action="store_true", help="also list every field with its doc")
+    pl = _command(sub, "plan", cmd_plan, "memory per rank and collective bytes per step of a run, "
+                  "from formulas (model, context, batch and mesh from the config)", reuse=False)
+    pl.add_argument("--context", type=int, default=None,
+                    help="tokens per sequence, prompt and response (default model.max_seq_len)")
     _command(sub, "sft", cmd_sft, "supervised fine-tuning of the policy on the task suite",
              reuse=False)
     ev = _command(sub, "eval", cmd_eval, "accuracy and response lengths by prompt family and temperature")
@@ -336,8 +312,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")
     _experiment_args(_command(sub, "experiment", cmd_experiment,
                               "experiments whose figures go to docs/results", what=["stale-draft"]))
-    _bench_args(_command(sub, "bench", cmd_bench, "benchmarks that print side-by-side ratios",
-                         what=["generation", "rollout", "cp", "pp", "train-step", "rollout-dp"]))
+    from cospec.bench.command import BENCHMARKS, add_bench_arguments
+
+    add_bench_arguments(_command(sub, "bench", cmd_bench, "benchmarks that print side-by-side ratios",
+                                 what=list(BENCHMARKS)))
     return p
 
 
@@ -350,24 +328,6 @@ def _experiment_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--out", default=None,
                    help="where the JSON and plots go (default out_dir/stale-draft); the SFT policy "
                         "and the offline draft are still made or reused in out_dir")
-
-
-def _bench_args(b: argparse.ArgumentParser) -> None:
-    b.add_argument("--batch-sizes", help="comma-separated (default 1,4,16,64)")
-    b.add_argument("--quick", action="store_true",
-                   help="generation/rollout: fewer prompts and repeats; cp: short lengths")
-    b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
-    b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
-                   help="rollout: the RL prompt mix, or long copy answers (24-40 tokens)")
-    b.add_argument("--drafts", default="eagle3",
-                   help="rollout: comma-separated draft kinds to measure (eagle3, block), one row each")
-    b.add_argument("--tokens", help="cp: comma-separated packed lengths (default 4096,8192)")
-    b.add_argument("--cp", default="1,2,4", help="cp: comma-separated context-parallel sizes")
-    b.add_argument("--layouts", default=None,
-                   help="train-step: comma-separated single, single@THREADS, cpN, ppN, dpN "
-                        "(default single,single@2,cp2,pp2,dp2); rollout-dp: single, "
-                        "single@THREADS, dpN (default single,single@2,dp2)")
-    b.add_argument("--json", help="also write the rows as JSON to this path")
 
 
 def main(argv: list[str] | None = None) -> int:

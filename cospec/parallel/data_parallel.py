@@ -52,7 +52,9 @@ def shard_policy(model: nn.Module, mesh) -> nn.Module:
     more; gradients summed over replicas (module docstring). Returns the same module, sharded."""
     units = [*model.layers.values(), model]
     for unit in units:
-        fully_shard(unit, mesh=mesh)
+        # The root too: FSDP2 keeps a root unsharded after its forward by default, for the
+        # backward; the KL reference never runs one, so it would hold the whole root all step.
+        fully_shard(unit, mesh=mesh, reshard_after_forward=True)
     for unit in units:  # a unit's setting covers its own parameters only
         unit.set_gradient_divide_factor(1.0)
         # a plain SUM reduce-scatter: gloo has no pre-multiplied sum (NCCL does; the factor is 1)

@@ -1,0 +1,191 @@
+"""`cospec plan`: the memory each rank needs and the bytes its collectives move per GRPO step, from
+formulas, before a run is launched (or rented).
+
+# L layers, C hidden size, I MLP width, H / Hkv query / key-value heads, D head dim, V vocab,
+# T tokens a rank trains on at once, B engine batch, S engine capacity (tokens per row)
+
+Parameter counts are exact: the policy, its pipeline stage and the draft are built on the meta
+device (no memory, any size) and counted. Then, per rank, in bytes:
+- trained stage: parameters, gradients and AdamW's two moments, in fp32, divided by the FSDP2 group
+  (dp x cp ranks) under dp; the KL reference the same as the parameters; FSDP2 also holds one
+  unsharded unit and the next (prefetched) during a forward or backward;
+- draft (its trainers): parameters, gradients and AdamW in fp32, replicated;
+- engine (a replica's generating rank): the policy and the draft in ``rollout.dtype``, the KV cache
+  2 L B S Hkv D, the draft's cache, and the speculative engine's feature history B S F (F the
+  draft's feature width);
+- activations saved for backward, per trained token (what this implementation saves, counted with
+  `torch.autograd.graph.saved_tensors_hooks`; `tests/test_plan.py` checks the formula):
+  per layer 7C + 4I + 2 in token layout and 2HD + 2HkvD + H in the padded [N, Lmax] layout of
+  the attention; outside the layers 3C + 2D + 7 (embedding, final norm, RoPE tables); the GRPO
+  loss V + 5, and 3V more with a KL penalty; all in fp32. Tokens in flight: a minibatch's tokens
+  over dp x cp, and under pp 1F1B's min(pp - stage, M) microbatches of M.
+Collective bytes per step (what one rank receives; the ring and tree algorithms move about as much
+as they receive):
+- FSDP2: every forward and backward of a microbatch all-gathers the stage ((n - 1) / n of its
+  fp32 bytes, n the FSDP2 group), every backward reduce-scatters its gradients (the same), the
+  reference's forward all-gathers again, and the weight sync all-gathers once;
+- pipeline: a microbatch's activations T C and their gradients across each stage boundary;
+- cp ring (not yet checked by a test): per layer and microbatch, the K and V shards (cp - 1) times
+  forward, K, V, dK, dV backward.
+Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers), the draft's
+co-training activations (a separate, smaller peak after the policy step), allocator fragmentation,
+and mixed precision (grpo.autocast).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from cospec.config import RunConfig
+from cospec.config.sections import ModelConfig
+
+FP32 = 4
+DTYPE_BYTES = {"": FP32, "float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def activation_floats_per_token(m: ModelConfig, *, layers: int, first: bool, last: bool,
+                                kl: bool, padded_ratio: float = 1.0) -> float:
+    """fp32 numbers saved for backward per trained token on a stage of ``layers`` layers (the
+    module docstring's formula); ``padded_ratio``: N Lmax / T of the packed microbatch."""
+    H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+    per_layer = 7 * m.hidden_size + 4 * m.intermediate_size + 2 + padded_ratio * (
+        2 * H * D + 2 * Hkv * D + H)
+    outside = (3 * m.hidden_size + 2 * D + 7) if first or last else 0
+    loss = (m.vocab_size + 5 + (3 * m.vocab_size if kl else 0)) if last else 0
+    return layers * per_layer + outside + loss
+
+
+def _meta_models(cfg: RunConfig):
+    """The policy, each pipeline stage and the draft on the meta device (counts only)."""
+    from cospec.draft.offline import build_draft
+    from cospec.models.llama import Transformer
+    from cospec.parallel.pipeline import build_stage, split_layers
+
+    with torch.device("meta"):
+        policy = Transformer(cfg.model)
+        layers = split_layers(cfg.model.num_layers, cfg.parallel.pp)
+        stages = ([policy] if cfg.parallel.pp == 1 else
+                  [build_stage(policy, r, stage=s, num_stages=cfg.parallel.pp)
+                   for s, r in enumerate(layers)])
+        draft = None
+        if cfg.rollout.speculative:
+            ids = torch.arange(cfg.draft.vocab_size) if cfg.draft.vocab_size else None
+            draft = build_draft(cfg, policy, vocab_ids=ids)
+    return policy, stages, layers, draft
+
+
+def _count(module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in module.parameters()}.values())
+
+
+@dataclass
+class StagePlan:
+    """One pipeline stage's ranks: bytes of memory by part (``memory``) and received by collective
+    per step (``comm``), for its first rank (a replica's generating rank holds the engine)."""
+
+    stage: int
+    layers: int
+    memory: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def total_memory(self) -> float:
+        return sum(self.memory.values())
+
+
+def plan(cfg: RunConfig, *, context: int | None = None) -> list[StagePlan]:
+    """Per stage: memory and collective bytes per step of ``cfg``'s run, sequences of ``context``
+    tokens (prompt and response; default: model.max_seq_len)."""
+    p, g, m = cfg.parallel, cfg.grpo, cfg.model
+    context = context or m.max_seq_len
+    policy, stages, layers, draft = _meta_models(cfg)
+    shard = p.dp * p.cp if p.dp > 1 else 1
+    kl = bool(g.kl_coef or g.log_kl)
+    minibatch_tokens = g.prompts_per_step * g.group_size // g.micro_steps * context
+    tokens_per_rank = minibatch_tokens / p.dp / p.cp
+    M = p.microbatches if p.pp > 1 else 1
+    rollout = DTYPE_BYTES[cfg.rollout.dtype]
+    out = []
+    for s, stage in enumerate(stages):
+        n, first, last = _count(stage), s == 0, s == p.pp - 1
+        sp = StagePlan(stage=s, layers=len(layers[s]))
+        mem, comm = sp.memory, sp.comm
+        mem["parameters"] = n / shard * FP32
+        mem["gradients"] = n / shard * FP32
+        mem["optimizer"] = 2 * n / shard * FP32
+        if kl:
+            mem["reference"] = n / shard * FP32
+        if p.dp > 1:  # one unit unsharded and the next prefetched
+            unit = max([_count(layer) for layer in stage.layers.values()] or [0])
+            mem["fsdp_unsharded"] = 2 * unit * FP32
+        if draft is not None and last:
+            nd = _count(draft)
+            mem["draft"] = nd * FP32 * (4 if cfg.draft.mode == "cotrain" else 1)
+        in_flight = min(p.pp - s, M) if p.schedule == "1f1b" else M
+        per_token = activation_floats_per_token(m, layers=len(layers[s]), first=first, last=last,
+                                                kl=kl)
+        mem["activations"] = tokens_per_rank / M * in_flight * per_token * FP32
+        if first:
+            mem.update(_engine_memory(cfg, _count(policy), draft, rollout))
+        # collectives per step
+        if shard > 1:
+            gathered = n * (shard - 1) / shard * FP32
+            passes = g.micro_steps * M * (2 + (1 if kl else 0))
+            comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
+            comm["fsdp_reduce_scatter"] = gathered * g.micro_steps * M
+        if p.pp > 1:
+            crossings = (not first) + (not last)
+            comm["pipeline_activations"] = (2 * crossings * minibatch_tokens / p.dp / p.cp
+                                            * m.hidden_size * FP32 * g.micro_steps)
+        if p.cp > 1:
+            kv = tokens_per_rank * m.num_kv_heads * m.head_dim * FP32
+            comm["cp_ring_kv"] = len(layers[s]) * g.micro_steps * (p.cp - 1) * kv * (2 + 4)
+        out.append(sp)
+    return out
+
+
+def _engine_memory(cfg: RunConfig, policy_params: int, draft, rollout_bytes: int) -> dict:
+    """The engine's weights and buffers (`GenerationEngine`, `SpeculativeEngine`): the KV cache holds
+    capacity + gamma slots a row, the draft's cache twice that, the feature history capacity +
+    gamma + 1 entries of the draft's tap width."""
+    m, B = cfg.model, cfg.sampling.batch_size
+    gamma = cfg.rollout.gamma if cfg.rollout.speculative else 0
+    kv_slot = 2 * m.num_kv_heads * m.head_dim * rollout_bytes  # K and V of one token, one layer
+    mem = {"engine_policy": policy_params * rollout_bytes,
+           "engine_kv_cache": m.num_layers * B * (m.max_seq_len + gamma) * kv_slot}
+    if draft is not None:
+        dcfg = draft.config
+        mem["engine_draft"] = _count(draft) * rollout_bytes
+        mem["engine_draft_kv_cache"] = (len(draft.layers) * B * 2 * (m.max_seq_len + gamma) * 2
+                                        * dcfg.num_kv_heads * dcfg.head_dim * rollout_bytes)
+        F = len(getattr(draft, "tap_layers", ())) * m.hidden_size
+        mem["engine_feature_history"] = B * (m.max_seq_len + gamma + 1) * F * rollout_bytes
+    return mem
+
+
+def format_plan(cfg: RunConfig, stages: list[StagePlan], context: int) -> str:
+    """A table per stage: memory by part and collective bytes per step, in GiB."""
+    p = cfg.parallel
+    gib = lambda x: f"{x / 2 ** 30:10.3f}"  # noqa: E731
+    lines = [f"plan: dp={p.dp} x pp={p.pp} x cp={p.cp} = {p.dp * p.pp * p.cp} ranks, "
+             f"{cfg.grpo.prompts_per_step * cfg.grpo.group_size} rollouts of {context} tokens per "
+             f"step, micro_steps={cfg.grpo.micro_steps}" + (f", microbatches={p.microbatches}"
+                                                            if p.pp > 1 else "")]
+    for sp in stages:
+        lines.append(f"\nstage {sp.stage} ({sp.layers} layers): memory per rank, GiB"
+                     + (" (the engine only on a replica's first rank)" if sp.stage == 0 else ""))
+        for k, v in sp.memory.items():
+            lines.append(f"  {k:<24}{gib(v)}")
+        lines.append(f"  {'total':<24}{gib(sp.total_memory)}")
+        if sp.comm:
+            lines.append("  received per step, GiB")
+            for k, v in sp.comm.items():
+                lines.append(f"  {k:<24}{gib(v)}")
+    return "\n".join(lines)
+
+
+def peak_gib(stages: list[StagePlan]) -> float:
+    return max(sp.total_memory for sp in stages) / 2 ** 30 if stages else math.nan
