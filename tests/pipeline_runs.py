@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from cospec.config import ModelConfig
-from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.draft.ttt import TTTBatch, cat_batches, ttt_loss
 from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
@@ -141,23 +141,26 @@ def _run(policy, mbs, spec: RunSpec, rank: int, layers, pipe_group, tap_group) -
                                  tap_group=tap_group, loss_fn=loss_fn, tap_layers=spec.taps,
                                  max_microbatches=len(mbs),
                                  max_tokens=max(len(mb.tokens) for mb in mbs), draft=draft,
-                                 schedule=spec.schedule, num_ttt_steps=NUM_TTT_STEPS)
+                                 schedule=spec.schedule)
         if last:
             runner.taps.wait = _recording_wait(runner.taps, delivered)
     else:
         runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_stages), loss_fn,
                               schedule=spec.schedule)
+    draft_loss = None
     for k in range(spec.num_steps):
         model.zero_grad(set_to_none=True)
         if draft is not None:
             draft.zero_grad(set_to_none=True)
         loss = runner.run(mbs, step=k)
+        if draft is not None:  # the loss `cotrain_draft` trains on, over the step's captured inputs
+            d_loss, _ = ttt_loss(draft, runner.on_last_backward.take(), num_steps=NUM_TTT_STEPS)
+            d_loss.backward()
+            draft_loss = d_loss.item()
     return {"loss": loss, "grads": _grads(model), "trace": runner.transport.trace,
             "batches": runner.transport.batches,
             "draft_grads": _grads(draft) if draft is not None else None,
-            "draft_loss": (sum(runner.on_last_backward.losses[-len(mbs):]) / len(mbs)
-                           if draft is not None else None),
-            "delivered": delivered}
+            "draft_loss": draft_loss, "delivered": delivered}
 
 
 def _recording_wait(channel: TapChannel, delivered: dict):
@@ -178,26 +181,29 @@ def _grads(module) -> dict:
 def reference_step(policy: Transformer, mbs: list[Microbatch], tap_layers=(),
                    draft: Eagle3Draft | BlockDraft | None = None) -> dict:
     """The same step on one process, pp=1: the policy's loss and grads from one packed forward of
-    the whole step (independent of the microbatch split); per microbatch the taps and, when a draft
-    is given, its TTT loss (mean over microbatches) and grads."""
+    the whole step (independent of the microbatch split); per microbatch the taps; when a draft
+    is given, its TTT loss over the step's microbatches packed together, and its grads."""
     policy.zero_grad(set_to_none=True)
     whole = pack_whole_step(mbs)
     loss = token_nll(policy(whole.tokens[None], cu_seqlens=whole.cu_seqlens).logits[0], whole,
                      num_step_tokens=num_step_tokens(mbs))
     loss.backward()
-    ref = {"loss": loss.item(), "grads": _grads(policy), "taps": {}, "draft_loss": 0.0}
+    ref = {"loss": loss.item(), "grads": _grads(policy), "taps": {}, "draft_loss": None}
+    batches = []
     for mb in mbs:
         with torch.no_grad():
             o = policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens,
                        tap_layers=sorted(set(tap_layers) | set(draft.tap_layers if draft else ())))
         ref["taps"].update({(mb.index, layer): t[0] for layer, t in o.taps.items()})
         if draft is not None:
-            batch = TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
-                             taps={layer: o.taps[layer][0] for layer in draft.tap_layers},
-                             policy_logits=o.logits[0])
-            d_loss, _ = ttt_loss(draft, batch, num_steps=NUM_TTT_STEPS)
-            (d_loss * (1.0 / len(mbs))).backward()  # the same scaling as DraftCoTraining
-            ref["draft_loss"] += d_loss.item() / len(mbs)
+            batches.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens,
+                                    loss_mask=mb.loss_mask,
+                                    taps={layer: o.taps[layer][0] for layer in draft.tap_layers},
+                                    policy_logits=o.logits[0]))
+    if draft is not None:
+        d_loss, _ = ttt_loss(draft, cat_batches(batches), num_steps=NUM_TTT_STEPS)
+        d_loss.backward()
+        ref["draft_loss"] = d_loss.item()
     ref["draft_grads"] = _grads(draft) if draft is not None else None
     return ref
 

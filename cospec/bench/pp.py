@@ -12,7 +12,9 @@ how the taps travel):
   each tap goes by a blocking send on the tap group; the draft stage receives them with blocking
   receives right after its own forward of m.
 A fourth configuration, tap_channel with the draft's TTT co-training on the last stage, is reported
-apart (``draft_rows``): it adds the draft's compute, which no transport can hide.
+apart (``draft_rows``): it adds the draft's compute, which no transport can hide. It co-trains the
+way the GRPO trainer does (`TapCapture` in the schedule, then `cotrain_draft` with the default
+draft config after the step), so it measures the trainer's own code path.
 
 Step time is rank 0's wall time from a barrier before the step to a barrier after it (so it is the
 slowest rank's), the median over ``repeats``; methods are interleaved, in rotating order, within
@@ -44,7 +46,10 @@ from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.llama import Transformer
 from cospec.parallel.launch import spawn
-from cospec.parallel.pipeline import (DraftCoTraining, Microbatch, PipelineStep, PipeTransport,
+from cospec.config import DraftConfig
+from cospec.draft.cotrain import cotrain_draft
+from cospec.draft.ttt import ttt_loss
+from cospec.parallel.pipeline import (Microbatch, PipelineStep, PipeTransport, TapCapture,
                                       build_stage, pipeline_groups, split_layers, token_nll)
 from cospec.data.packing import pack_examples
 from cospec.data.tokenizer import BOS, EOS
@@ -138,6 +143,7 @@ def bench_ranks(rank: int, num_ranks: int, s: BenchSettings) -> list[dict]:
     torch.manual_seed(0)
     policy = Transformer(s.model)
     draft = Eagle3Draft.from_policy(policy)
+    draft_opt = torch.optim.AdamW(draft.parameters(), lr=1e-4)  # the trainer's co-training, below
     mbs = bench_microbatches(s)
     pipe_group, tap_group = pipeline_groups()
     layers = split_layers(s.model.num_layers, num_ranks)
@@ -158,17 +164,20 @@ def bench_ranks(rank: int, num_ranks: int, s: BenchSettings) -> list[dict]:
         for i in range(len(configs)):
             method, with_draft = configs[(i + rep) % len(configs)]
             row = _timed_step(model, mbs, transports[method], pipe_group, loss_fn, rank, num_ranks,
-                              draft if (with_draft and last) else None, step=rep)
+                              (draft, draft_opt) if (with_draft and last) else None, step=rep)
             if rep >= s.warmup:
                 rows.append({"method": method, "with_draft": with_draft, **row})
     return rows
 
 
 def _timed_step(model, mbs, taps, pipe_group, loss_fn, rank, num_ranks, draft, step) -> dict:
+    """One step; ``draft``: (draft, optimizer) on the last stage when it co-trains, the trainer's
+    way: `TapCapture` in the schedule, then `cotrain_draft` on the step's captured inputs (the
+    step's time includes it)."""
     handles = taps.attach(model) if taps is not None else []
     consumer = None
     if taps is not None and rank == num_ranks - 1:
-        consumer = (DraftCoTraining(draft, taps) if draft is not None
+        consumer = (TapCapture(taps, draft[0].tap_layers) if draft is not None
                     else (lambda mb, logits, num_microbatches: taps.wait(mb.index)))
     runner = PipelineStep(model, PipeTransport(pipe_group, rank, num_ranks), loss_fn, taps=taps,
                           on_last_backward=consumer)
@@ -176,11 +185,12 @@ def _timed_step(model, mbs, taps, pipe_group, loss_fn, rank, num_ranks, draft, s
     dist.barrier()  # on the world group: neither the pipeline's nor the taps'
     start = time.perf_counter()
     runner.run(mbs, step=step)
+    if draft is not None:
+        cotrain_draft(draft[0], draft[1], [consumer.take()], DraftConfig(), temperature=1.0,
+                      seed=step, loss_fn=ttt_loss)
     dist.barrier()
     seconds = time.perf_counter() - start
     model.zero_grad(set_to_none=True)
-    if draft is not None:
-        draft.zero_grad(set_to_none=True)
     for h in handles:
         h.remove()
     after = _counters(taps)

@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.draft.ttt import TTTBatch, cat_batches
 from cospec.models.llama import Transformer
 from cospec.parallel.tap_channel import TapChannel
 
@@ -205,7 +205,7 @@ class PipelineStep:
     already attached to ``model``; None runs without taps. One whose ``after_forward`` blocks on a
     peer (``sends_in_after_forward = True``) gets the stage's activation send posted first. on_last_backward(mb, logits_TV, M): called
     on the last stage right after microbatch mb's backward, with the detached logits and the
-    step's number of microbatches (the draft's co-training step, `DraftCoTraining`).
+    step's number of microbatches (a `TapCapture` keeps the draft's inputs of each).
     """
 
     model: Transformer
@@ -288,50 +288,60 @@ def pipeline_groups(ranks: list[int] | None = None):
     return dist.new_group(ranks), dist.new_group(ranks)
 
 
-class DraftCoTraining:
-    """The draft's EAGLE-3 TTT loss on the last stage, one microbatch at a time: pass it as
-    `PipelineStep.on_last_backward`.
+class TapCapture:
+    """The last stage's `PipelineStep.on_last_backward` when the draft co-trains: per microbatch,
+    the draft's training inputs, kept until the step ends (``take``): the taps of ``tap_layers``
+    that ``taps`` (the last stage's TapChannel) delivered for it, waited for here and only here,
+    copied out of the channel's reused slots, and the stage's own logits, detached.
 
-    Features: the taps of ``draft.tap_layers`` that ``taps`` (the last stage's TapChannel) delivered
-    for the microbatch, waited for here and only here; target: the stage's own logits, detached. The
-    draft's step loss is the mean over microbatches of `ttt_loss`, scaled by ``weight`` (lambda in
-    L = L_policy + lambda * L_draft). Its graph starts from detached tensors, so its gradients
-    reach only the draft's parameters.
+    The draft then trains on them with `cospec.draft.cotrain.cotrain_draft`, after the policy's
+    step: the one co-training path, which the GRPO trainer (`cospec.rl.pp_step`) and `cospec bench
+    pp` both run. ``to_batch(micro, feats, logits_TV)``: how a microbatch's inputs become a
+    `TTTBatch` (default: as they are; under pp x cp the shards gathered back into the whole row).
     """
 
-    def __init__(self, draft, taps, *, num_ttt_steps: int = 3, weight: float = 1.0):
-        self.draft, self.taps = draft, taps
-        self.num_ttt_steps, self.weight = num_ttt_steps, weight
-        self.losses: list[float] = []
+    def __init__(self, taps, tap_layers, to_batch=None):
+        self.taps, self.tap_layers = taps, tuple(tap_layers)
+        self.to_batch = to_batch or self._whole
+        self.batches: dict[int, TTTBatch] = {}
+
+    @staticmethod
+    def _whole(mb: Microbatch, feats: dict, logits_TV: Tensor) -> TTTBatch:
+        device = logits_TV.device
+        return TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
+                        loss_mask=mb.loss_mask.to(device),
+                        taps={k: v.clone() for k, v in feats.items()}, policy_logits=logits_TV)
 
     def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
-        device = logits_TV.device
-        batch = TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
-                         loss_mask=mb.loss_mask.to(device),
-                         taps=self.taps.wait(mb.index, self.draft.tap_layers), policy_logits=logits_TV)
-        loss, _ = ttt_loss(self.draft, batch, num_steps=self.num_ttt_steps)
-        (loss * (self.weight / num_microbatches)).backward()
-        self.losses.append(loss.item())
+        feats = self.taps.wait(mb.index, self.tap_layers)
+        self.batches[mb.index] = self.to_batch(mb, feats, logits_TV.detach())
+
+    def take(self) -> TTTBatch | None:
+        """The step's microbatches as one packed `TTTBatch` (in microbatch order), and forget them."""
+        if not self.batches:
+            return None
+        batch = cat_batches([self.batches[m] for m in sorted(self.batches)])
+        self.batches = {}
+        return batch
 
 
 def co_trained_step(model: Transformer, *, stage_layers: list[range], stage: int, pipe_group,
                     tap_group, loss_fn, tap_layers, max_microbatches: int, max_tokens: int,
-                    draft=None, schedule: str = "1f1b", num_ttt_steps: int = 3,
-                    draft_weight: float = 1.0) -> PipelineStep:
-    """The pipelined policy step with the draft co-trained on the last stage, wired on one rank.
+                    draft=None, schedule: str = "1f1b") -> PipelineStep:
+    """The pipelined policy step that feeds the draft on the last stage, wired on one rank.
 
     model: this rank's stage (`build_stage`); tap_layers: the layers TapChannel carries, the same on
     every rank (the draft's ``tap_layers``, or more); draft: the draft on the last stage (ignored
     elsewhere). The returned step's ``taps`` is this rank's TapChannel and, on the last stage,
-    ``on_last_backward`` its `DraftCoTraining`.
+    ``on_last_backward`` its `TapCapture` (after the step: `cotrain_draft` on its ``take()``).
     """
     taps = TapChannel(tap_group, stage=stage, stage_layers=stage_layers, tap_layers=tap_layers,
                       max_microbatches=max_microbatches, max_tokens=max_tokens,
                       hidden_size=model.config.hidden_size, dtype=next(model.parameters()).dtype,
                       device=next(model.parameters()).device)
     taps.attach(model)
-    co_train = None
+    capture = None
     if stage == len(stage_layers) - 1 and draft is not None:
-        co_train = DraftCoTraining(draft, taps, num_ttt_steps=num_ttt_steps, weight=draft_weight)
+        capture = TapCapture(taps, draft.tap_layers)
     return PipelineStep(model, PipeTransport(pipe_group, stage, len(stage_layers)), loss_fn,
-                        schedule=schedule, taps=taps, on_last_backward=co_train)
+                        schedule=schedule, taps=taps, on_last_backward=capture)

@@ -19,9 +19,9 @@ minibatch, on each stage:
 4. The summed statistics are broadcast from the last stage, so rank 0 can log them.
 
 When the draft is co-trained the same schedule carries its features: `TapChannel` (its own group)
-delivers the tapped layers of microbatch m to the last stage, which keeps them with its detached
-logits of m; the microbatches' data are packed back into the minibatch's `TTTBatch`, and the
-trainer's co-training runs on it there, exactly as on one process.
+delivers the tapped layers of microbatch m to the last stage, where `TapCapture` keeps them with
+its detached logits of m; the microbatches' data are packed back into the minibatch's `TTTBatch`,
+and the trainer's co-training (`cotrain_draft`) runs on it there, exactly as on one process.
 
 Weights reach the rollout engine on rank 0 through `StageWeightSync` (the stages' state dicts,
 sent as tensors) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from cospec.draft.ttt import TTTBatch, cat_batches
+from cospec.draft.ttt import TTTBatch
 from cospec.parallel.data_parallel import all_reduce_sum, full_tensor, local_tensor
-from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport
+from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport, TapCapture
 from cospec.parallel.tensor_transfer import StateDictReceiver, StateDictSender
 from cospec.parallel.tap_channel import TapChannel
 from cospec.rl.policy_step import SUMS, PolicyMinibatch, minibatch_terms, step_if_finite
@@ -154,15 +154,16 @@ class PipelinedPolicyStep:
             sums.append(s)
             return loss
 
-        captured: list[TTTBatch] = []
-
-        def capture(micro: Microbatch, logits_TV: Tensor, _num_microbatches: int) -> None:
-            captured.append(self._draft_batch(micro, logits_TV, wholes, layouts))
-
         with_taps = bool(tap_layers)
+        taps = self._channel_for(mbs) if with_taps else None
+        capture = None
+        if with_taps and self.last:  # the draft's inputs; it trains after the step (cotrain_draft)
+            gather = (None if layouts is None else
+                      lambda micro, feats, logits: self._whole_row(micro, feats, logits, wholes,
+                                                                   layouts))
+            capture = TapCapture(taps, self.tap_layers, to_batch=gather)
         step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
-                            taps=self._channel_for(mbs) if with_taps else None,
-                            on_last_backward=capture if with_taps and self.last else None)
+                            taps=taps, on_last_backward=capture)
         self.optimizer.zero_grad(set_to_none=True)
         step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
                              loss_mask=m.loss_mask, index=m.index, positions=m.positions)
@@ -175,7 +176,8 @@ class PipelinedPolicyStep:
         sums = self._broadcast_sums(sums, device)
         if self.data_parallel:
             sums = all_reduce_sum(sums, self.dp_group)
-        return sums, grad_norm, [cat_batches(captured)] if captured else []
+        captured = capture.take() if capture is not None else None
+        return sums, grad_norm, [captured] if captured is not None else []
 
     def _split(self, mb: PolicyMinibatch, device) -> tuple[list[PolicyMinibatch],
                                                            list[PolicyMinibatch], list | None]:
@@ -193,18 +195,11 @@ class PipelinedPolicyStep:
             m.positions = lay.local_positions(self.cp_rank)
         return mbs, wholes, layouts
 
-    def _draft_batch(self, micro: Microbatch, logits_TV: Tensor, wholes: list[PolicyMinibatch],
-                     layouts: list | None) -> TTTBatch:
-        """The draft's training inputs of microbatch ``micro`` on the last stage: its tapped
-        features (waited for on the channel) and the policy's detached logits ``logits_TV``."""
-        # The channel's slots are reused by the next step: keep copies.
-        feats = self.taps.wait(micro.index, self.tap_layers)
-        if layouts is None:
-            return TTTBatch(tokens=micro.tokens, cu_seqlens=micro.cu_seqlens,
-                            loss_mask=micro.loss_mask, taps={k: v.clone() for k, v in feats.items()},
-                            policy_logits=logits_TV)
-        # pp x cp: the shards back into the whole microbatch (the draft's TTT inputs cross
-        # chunk edges; `cospec.rl.cp_step` explains the gather).
+    def _whole_row(self, micro: Microbatch, feats: dict, logits_TV: Tensor,
+                   wholes: list[PolicyMinibatch], layouts: list) -> TTTBatch:
+        """pp x cp: the draft's inputs of microbatch ``micro`` with the cp ranks' shards gathered
+        back into the whole microbatch (the draft's TTT inputs cross chunk edges; `cospec.rl.cp_step`
+        explains the gather)."""
         lay, whole = layouts[micro.index], wholes[micro.index]
         gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
         return TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens, loss_mask=whole.loss_mask,

@@ -41,7 +41,7 @@ from cospec.models.loading import inference_copy
 from cospec.parallel.tensor_transfer import broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
-from cospec.rl.cotrain import cotrain_draft
+from cospec.draft.cotrain import cotrain_draft
 from cospec.rl.dp_step import replica_chunks, replicas_view
 from cospec.rl.layouts import build_policy_layout, check_rl_config
 from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
