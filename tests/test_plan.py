@@ -4,9 +4,10 @@ Oracles, all counted on live objects, never derived from the planner's own formu
 - activations: the bytes autograd saves for backward in a policy forward plus the GRPO loss,
   counted with `torch.autograd.graph.saved_tensors_hooks` (one storage counted once, parameters
   excluded);
-- a dp = 2 trainer after one step: the local bytes of its parameter shards, gradient shards and
-  AdamW state, and the bytes FSDP2's all-gathers and reduce-scatters received, counted by wrapping
-  `torch.distributed`'s collectives;
+- a trainer step under dp = 2, pp = 2, cp = 2 and dp = 2 x pp = 2, on every rank: the local bytes
+  of its parameter, gradient, AdamW and reference shards, and the bytes it received through
+  FSDP2's all-gathers and reduce-scatters and the pipeline's transfers, counted by wrapping
+  `torch.distributed`'s functions;
 - a speculative engine: the bytes of its weights, KV caches and feature history.
 """
 
@@ -72,23 +73,35 @@ def _local_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-def _dp_run(rank, world, out_dir):
+LAYOUTS = {"dp2": ["parallel.dp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+           "dp2xpp2": ["parallel.dp=2", "parallel.pp=2"]}
+SHARED = ["grpo.micro_steps=2", "grpo.kl_coef=0.05", "rollout.speculative=true",
+          "draft.mode=cotrain", "rollout.adaptive=false", "parallel.microbatches=2"]
+
+
+def _layout_cfg(layout, out_dir="runs/unused"):
+    return resolve("tiny", overrides=[f"out_dir={out_dir}", *LAYOUTS[layout], *SHARED])
+
+
+def _counting_run(rank, world, out_dir, layout):
+    """One trainer step of ``layout`` with every byte this rank receives counted by collective."""
+    from torch.distributed.tensor import DTensor
+
     from cospec.models.draft import Eagle3Draft
     from cospec.parallel.train_group import make_train_group
     from cospec.rl.trainer import GRPOTrainer
 
-    cfg = resolve("tiny", overrides=[f"out_dir={out_dir}", "parallel.dp=2", "grpo.micro_steps=2",
-                                     "grpo.kl_coef=0.05", "rollout.speculative=true",
-                                     "draft.mode=cotrain", "rollout.adaptive=false"])
+    cfg = _layout_cfg(layout, out_dir)
     torch.manual_seed(0)
     policy = Transformer(cfg.model)
+    group = make_train_group(cfg.parallel, rank, world)
     trainer = GRPOTrainer(cfg, policy, draft=Eagle3Draft.from_policy(policy), tensorboard=False,
-                          group=make_train_group(cfg.parallel, rank, world))
-    from torch.distributed.tensor import DTensor
-
-    counted = {"all_gather": 0, "reduce_scatter": 0}
-    real = dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor
-    share = (world - 1) / world  # what a rank receives of a tensor gathered or scattered
+                          group=group)
+    counted = {"all_gather": 0.0, "reduce_scatter": 0.0, "p2p": 0.0}
+    real = (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
+            dist.batch_isend_irecv)
+    n = cfg.parallel.dp * cfg.parallel.cp if cfg.parallel.dp > 1 else 1
+    share = (n - 1) / n  # what a rank receives of a tensor gathered or scattered over n ranks
 
     def gather(output_tensor, input_tensor, *args, **kwargs):  # FSDP2's unshard
         counted["all_gather"] += output_tensor.numel() * output_tensor.element_size() * share
@@ -103,18 +116,47 @@ def _dp_run(rank, world, out_dir):
         counted["all_gather"] += out.numel() * out.element_size() * share
         return out
 
-    dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor = gather, scatter, full
+    def batch(ops):  # the pipeline's transfers (not a collective's own point-to-point steps)
+        counted["p2p"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                              if op.op.__name__ == "irecv" and op.group is group.pipe_group
+                              and group.pipe_group is not None)
+        return real[3](ops)
+
+    (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
+     dist.batch_isend_irecv) = gather, scatter, full, batch
     try:
-        trainer.train_policy(trainer_batch(trainer))
+        batch_ = trainer_batch(trainer) if trainer.generates else None
+        shared = trainer_inputs(trainer, batch_)
+        trainer.train_policy(shared)
         trainer.sync_weights()
     finally:
-        dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor = real
+        (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
+         dist.batch_isend_irecv) = real
     opt_state = [t for st in trainer.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0]
-    return {"parameters": _local_bytes(trainer.policy.parameters()),
-            "gradients": _local_bytes(p.grad for p in trainer.policy.parameters()),
-            "optimizer": _local_bytes(opt_state),
-            "reference": _local_bytes(trainer.reference.parameters()), **counted}
+    memory = {"parameters": _local_bytes(trainer.policy.parameters()),
+              "gradients": _local_bytes(p.grad for p in trainer.policy.parameters()),
+              "optimizer": _local_bytes(opt_state),
+              "reference": _local_bytes(trainer.reference.parameters())}
+    tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in shared.completions)  # trained positions
+    return {"stage": group.stage, "memory": memory, "comm": counted,
+            "context": tokens / len(shared.completions)}
+
+
+def trainer_inputs(trainer, batch):
+    """The step's rollouts on every rank of the replica (as `GRPOTrainer.run_step` shares them)."""
+    from cospec.parallel.tensor_transfer import broadcast_rollouts
+    from cospec.rl.trainer import RolloutBatch
+
+    g = trainer.group
+    if g.replica_size == 1:
+        return batch
+    shared = broadcast_rollouts(
+        (batch.completions, batch.advantages, batch.rewards, batch.first) if batch else None,
+        src=g.replica_first_rank, group=g.replica_collectives)
+    return batch or RolloutBatch(examples=[], completions=shared[0], rewards=shared[2],
+                                 advantages=shared[1], generate_seconds=0.0, num_tokens=0,
+                                 first=shared[3])
 
 
 def trainer_batch(trainer):
@@ -127,15 +169,17 @@ def trainer_batch(trainer):
 
 
 @pytest.mark.slow
-def test_a_dp2_runs_shards_and_fsdp_traffic_are_what_the_plan_says(tmp_path):
-    cfg = resolve("tiny", overrides=["parallel.dp=2", "grpo.micro_steps=2", "grpo.kl_coef=0.05",
-                                     "rollout.speculative=true", "draft.mode=cotrain"])
-    (stage,) = plan(cfg)
-    for r in spawn(_dp_run, 2, str(tmp_path)):
-        for part in ("parameters", "gradients", "optimizer", "reference"):
-            assert r[part] == pytest.approx(stage.memory[part], rel=0.02), part
-        assert r["all_gather"] == pytest.approx(stage.comm["fsdp_all_gather"], rel=0.05)
-        assert r["reduce_scatter"] == pytest.approx(stage.comm["fsdp_reduce_scatter"], rel=0.05)
+@pytest.mark.parametrize("layout,ranks", [("dp2", 2), ("pp2", 2), ("cp2", 2), ("dp2xpp2", 4)])
+def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, ranks):
+    for r in spawn(_counting_run, ranks, str(tmp_path), layout):
+        planned = plan(_layout_cfg(layout), context=r["context"])[r["stage"]]
+        for part, value in r["memory"].items():
+            assert value == pytest.approx(planned.memory[part], rel=0.02), (r["stage"], part)
+        assert r["comm"]["all_gather"] == pytest.approx(planned.comm.get("fsdp_all_gather", 0),
+                                                        rel=0.05)
+        assert r["comm"]["reduce_scatter"] == pytest.approx(
+            planned.comm.get("fsdp_reduce_scatter", 0), rel=0.05)
+        assert r["comm"]["p2p"] == pytest.approx(planned.comm.get("pipeline", 0), rel=0.05)
 
 
 def test_the_engine_memory_is_what_a_speculative_engine_allocates():
@@ -164,6 +208,6 @@ def test_cospec_plan_prints_every_stage_and_refuses_a_bad_context(capsys):
                  "--context", "64"]) == 0
     out = capsys.readouterr().out
     assert "dp=2 x pp=2 x cp=1 = 4 ranks" in out and "stage 1 (1 layers)" in out
-    assert "fsdp_all_gather" in out and "pipeline_activations" in out
+    assert "fsdp_all_gather" in out and "pipeline" in out
     assert main(["plan", "--recipe", "tiny", "--context", "0"]) == 2
     assert "--context: must be >= 1" in capsys.readouterr().err

@@ -24,7 +24,8 @@ as they receive):
 - FSDP2: every forward and backward of a microbatch all-gathers the stage ((n - 1) / n of its
   fp32 bytes, n the FSDP2 group), every backward reduce-scatters its gradients (the same), the
   reference's forward all-gathers again, and the weight sync all-gathers once;
-- pipeline: a microbatch's activations T C and their gradients across each stage boundary;
+- pipeline: into a stage, the activations T C of the policy's and of the reference's forward;
+  out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
 - cp ring (not yet checked by a test): per layer and microbatch, the K and V shards (cp - 1) times
   forward, K, V, dK, dV backward.
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers), the draft's
@@ -96,9 +97,9 @@ class StagePlan:
         return sum(self.memory.values())
 
 
-def plan(cfg: RunConfig, *, context: int | None = None) -> list[StagePlan]:
+def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
     """Per stage: memory and collective bytes per step of ``cfg``'s run, sequences of ``context``
-    tokens (prompt and response; default: model.max_seq_len)."""
+    tokens (prompt and response, on average; default: model.max_seq_len)."""
     p, g, m = cfg.parallel, cfg.grpo, cfg.model
     context = context or m.max_seq_len
     policy, stages, layers, draft = _meta_models(cfg)
@@ -136,10 +137,12 @@ def plan(cfg: RunConfig, *, context: int | None = None) -> list[StagePlan]:
             passes = g.micro_steps * M * (2 + (1 if kl else 0))
             comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
             comm["fsdp_reduce_scatter"] = gathered * g.micro_steps * M
-        if p.pp > 1:
-            crossings = (not first) + (not last)
-            comm["pipeline_activations"] = (2 * crossings * minibatch_tokens / p.dp / p.cp
-                                            * m.hidden_size * FP32 * g.micro_steps)
+        if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back
+            step_tokens = minibatch_tokens * g.micro_steps / p.dp / p.cp
+            comm["pipeline"] = (2 * (not first) + (not last)) * step_tokens * m.hidden_size * FP32
+            if last and draft is not None and cfg.draft.mode == "cotrain":
+                remote = [t for t in draft.tap_layers if t not in layers[s]]
+                comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
         if p.cp > 1:
             kv = tokens_per_rank * m.num_kv_heads * m.head_dim * FP32
             comm["cp_ring_kv"] = len(layers[s]) * g.micro_steps * (p.cp - 1) * kv * (2 + 4)
