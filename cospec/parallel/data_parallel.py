@@ -115,3 +115,41 @@ def all_gather_rows(t: torch.Tensor, group=None) -> torch.Tensor:
     parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, local, group=group)
     return torch.cat(parts).to(t.device)
+
+
+class GatherOncePerStep:
+    """For a pipeline stage sharded with FSDP2: its M microbatches' forwards and backwards would
+    each all-gather the stage again (units reshard after every forward and backward), and every
+    backward would reduce-scatter its gradients. Inside this context the stage is gathered at
+    its first forward and stays whole until the step ends, and gradients accumulate unsharded until
+    the step's last backward (`sync_on`), which reduce-scatters them once: one all-gather and one
+    reduce-scatter a step instead of 2M and M, for the whole stage's parameters and gradients held
+    whole meanwhile (torchtitan makes the same trade under pipeline parallelism)."""
+
+    def __init__(self, model: nn.Module, *, train: bool = True):
+        from torch.distributed.fsdp import FSDPModule
+
+        self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        self.root, self.train = model, train
+
+    def __enter__(self):
+        self.root.set_reshard_after_forward(False)
+        if self.train:
+            self.root.set_reshard_after_backward(False)
+            self.root.set_requires_gradient_sync(False)
+        return self
+
+    def sync_on(self, m: int, is_last: bool) -> None:
+        """`PipelineStep.before_backward`: gradients are reduced at the last backward only."""
+        if self.train:
+            self.root.set_requires_gradient_sync(is_last)
+            self.root.set_reshard_after_backward(is_last)
+
+    def __exit__(self, *exc):
+        self.root.set_reshard_after_forward(True)
+        if self.train:
+            self.root.set_reshard_after_backward(True)
+            self.root.set_requires_gradient_sync(True)
+        for unit in self.units:
+            unit.reshard()
+        return False

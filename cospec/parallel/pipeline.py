@@ -206,6 +206,8 @@ class PipelineStep:
     peer (``sends_in_after_forward = True``) gets the stage's activation send posted first. on_last_backward(mb, logits_TV, M): called
     on the last stage right after microbatch mb's backward, with the detached logits and the
     step's number of microbatches (a `TapCapture` keeps the draft's inputs of each).
+    before_backward(m, is_last): called before each backward, ``is_last`` for the step's last one
+    (an FSDP2-sharded stage reduces its accumulated gradients only then).
     """
 
     model: Transformer
@@ -214,6 +216,7 @@ class PipelineStep:
     schedule: str = "1f1b"
     taps: object | None = None
     on_last_backward: Callable[[Microbatch, Tensor, int], None] | None = None
+    before_backward: Callable[[int, bool], None] | None = None
     _saved: dict = field(default_factory=dict)
 
     def run(self, microbatches: list[Microbatch], step: int = 0) -> float | None:
@@ -228,7 +231,10 @@ class PipelineStep:
         if self.taps is not None:
             self.taps.begin_step(step, [len(mb.tokens) for mb in microbatches])
         actions = schedule_actions(self.schedule, t.stage, t.num_stages, len(microbatches))
+        last_backward = max(i for i, (op, _) in enumerate(actions) if op == "B")
         for i, (op, m) in enumerate(actions):
+            if op == "B" and self.before_backward is not None:
+                self.before_backward(m, i == last_backward)
             (self._forward if op == "F" else self._backward)(microbatches[m])
             following = actions[i + 1][0] if i + 1 < len(actions) else None
             # The next action starts with a receive (a forward off the first stage, a backward off

@@ -8,7 +8,8 @@ Parameter counts are exact: the policy, its pipeline stage and the draft are bui
 device (no memory, any size) and counted. Then, per rank, in bytes:
 - trained stage: parameters, gradients and AdamW's two moments, in fp32, divided by the FSDP2 group
   (dp x cp ranks) under dp; the KL reference the same as the parameters; FSDP2 also holds one
-  unsharded unit and the next (prefetched) during a forward or backward;
+  unsharded unit and the next (prefetched) during a forward or backward, and under dp x pp the
+  whole stage and its accumulated gradients for the step (`GatherOncePerStep`);
 - draft (its trainers): parameters, gradients and AdamW in fp32, replicated;
 - engine (a replica's generating rank): the policy and the draft in ``rollout.dtype``, the KV cache
   2 L B S Hkv D, the draft's cache, and the speculative engine's feature history B S F (F the
@@ -21,9 +22,11 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
   over dp x cp, and under pp 1F1B's min(pp - stage, M) microbatches of M.
 Collective bytes per step (what one rank receives; the ring and tree algorithms move about as much
 as they receive):
-- FSDP2: every forward and backward of a microbatch all-gathers the stage ((n - 1) / n of its
+- FSDP2: every forward and backward of a minibatch all-gathers the stage ((n - 1) / n of its
   fp32 bytes, n the FSDP2 group), every backward reduce-scatters its gradients (the same), the
-  reference's forward all-gathers again, and the weight sync all-gathers once;
+  reference's forward all-gathers again, and the weight sync all-gathers once; under dp x pp a
+  minibatch's M microbatches share one all-gather of the stage, one of the reference, and one
+  reduce-scatter;
 - pipeline: into a stage, the activations T C of the policy's and of the reference's forward;
   out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
 - cp ring (not yet checked by a test): per layer and microbatch, the K and V shards (cp - 1) times
@@ -119,7 +122,9 @@ def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
         mem["optimizer"] = 2 * n / shard * FP32
         if kl:
             mem["reference"] = n / shard * FP32
-        if p.dp > 1:  # one unit unsharded and the next prefetched
+        if p.dp > 1 and p.pp > 1:  # the stage whole for the step, its gradients accumulated
+            mem["fsdp_unsharded"] = 2 * n * FP32
+        elif p.dp > 1:  # one unit unsharded and the next prefetched
             unit = max([_count(layer) for layer in stage.layers.values()] or [0])
             mem["fsdp_unsharded"] = 2 * unit * FP32
         if draft is not None and last:
@@ -134,9 +139,12 @@ def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
         # collectives per step
         if shard > 1:
             gathered = n * (shard - 1) / shard * FP32
-            passes = g.micro_steps * M * (2 + (1 if kl else 0))
+            if p.pp > 1:  # once a minibatch for the policy and for its reference pass
+                passes = g.micro_steps * 2
+            else:
+                passes = g.micro_steps * (2 + (1 if kl else 0))
             comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
-            comm["fsdp_reduce_scatter"] = gathered * g.micro_steps * M
+            comm["fsdp_reduce_scatter"] = gathered * g.micro_steps
         if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back
             step_tokens = minibatch_tokens * g.micro_steps / p.dp / p.cp
             comm["pipeline"] = (2 * (not first) + (not last)) * step_tokens * m.hidden_size * FP32

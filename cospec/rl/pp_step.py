@@ -30,13 +30,15 @@ sent as tensors) and, for the draft, `DraftWeightSync` (last stage -> rank 0).
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
 from cospec.draft.ttt import TTTBatch
-from cospec.parallel.data_parallel import all_reduce_sum, full_tensor, local_tensor
+from cospec.parallel.data_parallel import (GatherOncePerStep, all_reduce_sum, full_tensor,
+                                           local_tensor)
 from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport, TapCapture
 from cospec.parallel.tensor_transfer import StateDictReceiver, StateDictSender
 from cospec.parallel.tap_channel import TapChannel
@@ -145,7 +147,8 @@ class PipelinedPolicyStep:
             total = all_reduce_sum(torch.tensor(float(mb.num_tokens), device=device), self.dp_group)
             mb = dataclasses.replace(mb, num_tokens=int(total))
         mbs, wholes, layouts = self._split(mb, device)
-        ref_logits = self.reference_logits(mbs)
+        with self._gathered(self.reference, train=False):
+            ref_logits = self.reference_logits(mbs)
         sums: list[Tensor] = []
 
         def loss_fn(logits_TV: Tensor, micro: Microbatch) -> Tensor:
@@ -162,12 +165,14 @@ class PipelinedPolicyStep:
                       lambda micro, feats, logits: self._whole_row(micro, feats, logits, wholes,
                                                                    layouts))
             capture = TapCapture(taps, self.tap_layers, to_batch=gather)
-        step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
-                            taps=taps, on_last_backward=capture)
         self.optimizer.zero_grad(set_to_none=True)
-        step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
-                             loss_mask=m.loss_mask, index=m.index, positions=m.positions)
-                  for m in mbs], step=self.num_steps)
+        with self._gathered(self.model) as gathered:
+            step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
+                                taps=taps, on_last_backward=capture,
+                                before_backward=gathered.sync_on if gathered else None)
+            step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
+                                 loss_mask=m.loss_mask, index=m.index, positions=m.positions)
+                      for m in mbs], step=self.num_steps)
         self.num_steps += 1
         self._sum_gradients_over_cp()
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm_across_stages(
@@ -178,6 +183,11 @@ class PipelinedPolicyStep:
             sums = all_reduce_sum(sums, self.dp_group)
         captured = capture.take() if capture is not None else None
         return sums, grad_norm, [captured] if captured is not None else []
+
+    def _gathered(self, model, train: bool = True):
+        """dp x pp: the stage gathered once for all the step's microbatches (`GatherOncePerStep`);
+        otherwise nothing."""
+        return GatherOncePerStep(model, train=train) if self.data_parallel else nullcontext()
 
     def _split(self, mb: PolicyMinibatch, device) -> tuple[list[PolicyMinibatch],
                                                            list[PolicyMinibatch], list | None]:
