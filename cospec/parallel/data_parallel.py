@@ -33,18 +33,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-
-
-def dp_mesh(dp: int, group=None):
-    """A one-dimensional device mesh (its dimension named dp) over the world's ``dp`` ranks, or
-    over the ranks of ``group`` (under dp x pp: the ranks holding one stage in every replica)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if group is not None:
-        return DeviceMesh.from_group(group, device, mesh_dim_names=("dp",))
-    return init_device_mesh(device, (dp,), mesh_dim_names=("dp",))
 
 
 def shard_policy(model: nn.Module, mesh) -> nn.Module:

@@ -14,6 +14,12 @@ is the pp x cp ranks of one dp_rank. Roles:
   straddles replicas), scores them and computes their advantages. Under cp or pp its rollouts
   reach the replica's other ranks as tensors (`cospec.parallel.tensor_transfer`). (A real deployment puts the engine
   on its own devices; the `WeightSync` seam is where it plugs in.)
+  Why one rank of a replica and not all of them: the engine decodes with the whole policy, which
+  under pp or cp no single rank of the replica holds; running it on every rank would need a
+  pipelined or context-parallel *decoder* (each token a trip through every stage: latency-bound at
+  small batch), or a full copy per rank (the memory pp and cp exist to save). So the replica's other
+  ranks wait during generation; dp, whose replicas each hold a whole copy, is the axis that
+  multiplies rollout throughput (`cospec bench rollout-dp`).
 - rank 0 is the *lead*: it also evaluates, logs and writes checkpoints.
 - dp: every replica trains on its own rollouts; the policy is sharded with FSDP2 over every rank
   and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp x cp: each
@@ -39,6 +45,7 @@ import os
 from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from cospec.config import ConfigError, ParallelConfig
 from cospec.parallel.launch import init_from_env
@@ -53,7 +60,8 @@ class TrainGroup:
     (pp > 1); dp_group: under dp with cp or pp, the ranks at this rank's place (stage, cp rank) in
     every replica (None: under dp alone the dp group is the world); stage_group: under dp x pp,
     the ranks holding this rank's stage in every replica (FSDP2 shards the stage over them);
-    replica_group: under dp with cp or pp, the ranks of this rank's replica."""
+    replica_group: under dp with cp or pp, the ranks of this rank's replica; mesh: the (dp, pp, cp)
+    `DeviceMesh` they come from; fsdp_mesh: under dp, the one-dimensional mesh FSDP2 shards over."""
 
     rank: int
     world: int
@@ -66,6 +74,8 @@ class TrainGroup:
     dp_group: object = None
     stage_group: object = None
     replica_group: object = None
+    mesh: object = None
+    fsdp_mesh: object = None
 
     @property
     def replica_size(self) -> int:
@@ -157,43 +167,38 @@ def join_train_group(parallel: ParallelConfig, timeout_s: float = 600.0) -> Trai
 def make_train_group(parallel: ParallelConfig, rank: int, world: int) -> TrainGroup:
     """The roles in an already initialised default group (torchrun, or `launch.spawn` in tests).
 
-    Every rank creates every group, in the same order (torch.distributed requires it): the cp
-    groups (one per replica and stage), the dp groups (one per place in a replica), the stage
-    groups (dp x pp: one per stage, over every replica), the replica groups (dp with cp or pp),
-    then per replica and cp column the pipeline group and TapChannel's group.
+    The groups come from one `DeviceMesh` of shape (dp, pp, cp) (rank-major as the module docstring
+    says): cp groups along "cp", pipelines along "pp", dp groups along "dp"; FSDP2's mesh is "dp"
+    and "cp" flattened (a stage's ranks in every replica), a replica's group "pp" and "cp"
+    flattened. TapChannel's group is a second group over each pipeline's ranks, made by every rank
+    in the same order (torch.distributed requires it), so taps never share the pipeline's.
     """
-    from cospec.parallel.pipeline import pipeline_groups
+    import torch
 
     cp, pp, dp = parallel.cp, parallel.pp, parallel.dp
     if world != dp * cp * pp:
         raise ConfigError(f"parallel: dp={dp} x pp={pp} x cp={cp} needs {dp * cp * pp} processes, "
                           f"the group has {world}")
     group = TrainGroup(rank=rank, world=world, cp=cp, pp=pp, dp=dp)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    group.mesh = mesh = init_device_mesh(device, (dp, pp, cp), mesh_dim_names=("dp", "pp", "cp"))
     R = group.replica_size
-    place = lambda d, s, c: d * R + s * cp + c  # noqa: E731  the rank of (replica, stage, cp rank)
-
-    def make(ranks: list[int], field: str) -> None:
-        """A new group over ``ranks`` (every rank creates it); kept in ``field`` by its members."""
-        g = dist.new_group(ranks)
-        if rank in ranks:
-            setattr(group, field, g)
-
     if cp > 1 and dp * pp > 1:  # under cp alone the cp group is the world
-        for d in range(dp):
-            for st in range(pp):
-                make([place(d, st, c) for c in range(cp)], "cp_group")
-    if dp > 1 and R > 1:  # under dp alone the dp group is the world
-        for st in range(pp):
-            for c in range(cp):
-                make([place(d, st, c) for d in range(dp)], "dp_group")
-        for st in range(pp if pp > 1 else 0):
-            make([place(d, st, c) for d in range(dp) for c in range(cp)], "stage_group")
-        for d in range(dp):
-            make([d * R + i for i in range(R)], "replica_group")
+        group.cp_group = mesh["cp"].get_group()
+    if dp > 1:
+        # torchtitan's flattened dp-shard x cp mesh (DeviceMesh._flatten: private, as there)
+        group.fsdp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+        if R > 1:  # under dp alone the dp group and the FSDP2 group are the world
+            group.dp_group = mesh["dp"].get_group()
+            group.replica_group = mesh["pp", "cp"]._flatten("pp_cp").get_group()
+            if pp > 1:
+                group.stage_group = group.fsdp_mesh.get_group()
     if pp > 1:
+        group.pipe_group = mesh["pp"].get_group()
         for d in range(dp):
             for c in range(cp):
-                pipe, taps = pipeline_groups([place(d, st, c) for st in range(pp)])
-                if (d, c) == (group.dp_rank, group.cp_rank):
-                    group.pipe_group, group.tap_group = pipe, taps
+                column = [d * R + st * cp + c for st in range(pp)]
+                taps = dist.new_group(column)
+                if rank in column:
+                    group.tap_group = taps
     return group

@@ -70,10 +70,10 @@ def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft)
     """dp > 1: the policy and its reference sharded with FSDP2 over every rank (the dp replicas
     and, under dp x cp, each replica's cp ranks: FSDP2's sum then adds up every rank's share),
     the draft replicated; every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
-    from cospec.parallel.data_parallel import ShardedWeightSync, dp_mesh, shard_policy
+    from cospec.parallel.data_parallel import ShardedWeightSync, shard_policy
     from cospec.rl.dp_step import DataParallelDraftLoss, DataParallelPolicyStep
 
-    g, mesh = cfg.grpo, dp_mesh(group.world)
+    g, mesh = cfg.grpo, group.fsdp_mesh
     reference = None
     if g.log_kl or g.kl_coef:  # the KL anchor, sharded like the policy
         reference = shard_policy(copy.deepcopy(policy).eval().requires_grad_(False), mesh)
@@ -112,9 +112,9 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
     reference = build_stage(policy, **stage).eval().requires_grad_(False)
     sharded = group.dp > 1
     if sharded:
-        from cospec.parallel.data_parallel import dp_mesh, shard_policy
+        from cospec.parallel.data_parallel import shard_policy
 
-        mesh = dp_mesh(group.dp * group.cp, group.stage_group)
+        mesh = group.fsdp_mesh  # the ranks holding this stage in every replica
         trained, reference = shard_policy(trained, mesh), shard_policy(reference, mesh)
     optimizer = _adamw(trained, cfg)
     taps = draft.tap_layers if draft is not None and cfg.draft.mode == "cotrain" else ()
