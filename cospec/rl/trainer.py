@@ -1,6 +1,6 @@
 """The GRPO loop: a sequence of named steps, each a small method.
 
-    generate -> score -> compute_advantages -> train_policy -> train_draft (co-training, cotrain.py)
+    generate -> score -> compute_advantages -> train_policy -> train_draft (draft/cotrain.py)
              -> sync_weights -> log -> checkpoint
 
 Rollouts come from the engine (`GenerationEngine`, or `SpeculativeEngine` with the draft when
@@ -12,9 +12,10 @@ prompts_per_step = 2, group_size = 2: examples [e0, e0, e1, e1]; completions in 
 rewards [1, 0, 0, 0]; advantages (mean_std) [1, -1, 0, 0]; the e1 group has equal rewards, so its
 advantages are 0 and it adds no gradient.
 
-Reproducibility: the prompt stream is a `random.Random` whose state is checkpointed, and every
-step's rollouts use a generator seeded from (grpo.seed, step), so a resumed run repeats exactly
-what an uninterrupted one does (bit-exact on CPU with plain or fixed-gamma rollouts; the adaptive
+Reproducibility: the prompt stream is a `random.Random` whose state is checkpointed, and rollout k
+of step s draws its random numbers from its own seed (`rollout_seed(grpo.seed, s, k)`, per-prompt
+streams in the engine), so a resumed run repeats exactly what an uninterrupted one does, and
+data-parallel replicas sample what one process samples (bit-exact on CPU with plain or fixed-gamma rollouts; the adaptive
 controller picks gamma from measured wall-clock costs, so with it runs are equal in distribution,
 not bit for bit).
 """
@@ -32,6 +33,7 @@ from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
+from cospec.draft.cotrain import cotrain_draft
 from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch
 from cospec.metrics.progress import progress_bar
@@ -41,7 +43,6 @@ from cospec.models.loading import inference_copy
 from cospec.parallel.tensor_transfer import broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
-from cospec.draft.cotrain import cotrain_draft
 from cospec.rl.dp_step import replica_chunks, replicas_view
 from cospec.rl.layouts import build_policy_layout, check_rl_config
 from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
