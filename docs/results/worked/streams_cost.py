@@ -6,7 +6,11 @@
 64 worked-default prompts at batch 16, temperature 1, max_new_tokens 160; four rounds, each a
 generator call then a seeded call; prints the median seconds per token of each and their ratio.
 """
-import random, time, torch, statistics
+import random
+import statistics
+
+import torch
+
 from cospec.config import resolve, SamplingConfig
 from cospec.artifacts import load_policy
 from cospec.data.prompts import TaskData
