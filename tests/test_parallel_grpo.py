@@ -72,7 +72,8 @@ def _step(cfg, group=None) -> dict:
     out = {"policy_grads": _grads(trainer.policy),
            "draft_grads": _grads(trainer.draft) if trainer.owns_draft else {},
            "stage": {k: _full(v) for k, v in trainer.policy.state_dict().items()},
-           "draft": trainer.draft.state_dict() if trainer.owns_draft else None,
+           "draft": ({k: _full(v) for k, v in trainer.draft.state_dict().items()}
+                     if trainer.owns_draft else None),
            "optimizer_bytes": _state_bytes(trainer.optimizer)}
     if trainer.is_lead:
         out["metrics"] = {k: metrics[k] for k in ("loss", "kl_from_init", "entropy", "grad_norm", "draft_loss")}

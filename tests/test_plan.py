@@ -128,6 +128,7 @@ def _counting_run(rank, world, out_dir, layout):
         batch_ = trainer_batch(trainer) if trainer.generates else None
         shared = trainer_inputs(trainer, batch_)
         trainer.train_policy(shared)
+        trainer.train_draft()
         trainer.sync_weights()
     finally:
         (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
@@ -138,6 +139,13 @@ def _counting_run(rank, world, out_dir, layout):
               "gradients": _local_bytes(p.grad for p in trainer.policy.parameters()),
               "optimizer": _local_bytes(opt_state),
               "reference": _local_bytes(trainer.reference.parameters())}
+    if trainer.owns_draft:  # after its co-training: parameters, gradients and AdamW's moments
+        draft_state = [t for st in trainer.draft_optimizer.state.values() for t in st.values()
+                       if isinstance(t, torch.Tensor) and t.dim() > 0]
+        memory["draft"] = (_local_bytes(trainer.draft.parameters())
+                           + _local_bytes(p.grad for p in trainer.draft.parameters()
+                                          if p.grad is not None)
+                           + _local_bytes(draft_state))
     tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in shared.completions)  # trained positions
     return {"stage": group.stage, "memory": memory, "comm": counted,
             "context": tokens / len(shared.completions)}

@@ -41,6 +41,8 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
             if reduce_grads is not None:
                 reduce_grads(draft)
             norm = torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            if hasattr(norm, "full_tensor"):  # FSDP2-sharded (data parallel): the global norm
+                norm = norm.full_tensor()
             if torch.isfinite(norm):  # a sync per update; the loss's metrics take one too
                 optimizer.step()
             else:  # skipped and reported; the draft keeps its weights

@@ -15,9 +15,10 @@ does by default (`set_gradient_divide_factor(1)`): then any dp computes the sing
 Gradient clipping on DTensor gradients measures the global norm (the clip all-reduces the
 squared shard norms).
 
-The draft (one layer) is replicated, not sharded: its TTT unroll calls its submodules directly,
-outside the root forward that FSDP2's all-gather hooks onto, and its state is small; its
-gradients are summed over replicas (`all_reduce_grads`, as under cp).
+The co-trained draft is sharded the same way (`shard_draft`): its TTT unroll calls the draft's
+submodules directly, outside any forward FSDP2 could hook its all-gathers onto, so the whole
+co-training loss runs as the forward of a small wrapper module that FSDP2 shards: the draft is
+gathered for the loss and its backward, and its gradients reduce-scattered (summed) after.
 
 Weight sync: each replica's engine takes the full weights by all-gathering the shards
 (`ShardedWeightSync`): every rank receives (P - P/N) numbers for N sharding ranks, none passes
@@ -50,6 +51,33 @@ def shard_policy(model: nn.Module, mesh) -> nn.Module:
         # a plain SUM reduce-scatter: gloo has no pre-multiplied sum (NCCL does; the factor is 1)
         unit.set_force_sum_reduction_for_comms(True)
     return model
+
+
+class _DraftLoss(nn.Module):
+    """The draft's co-training loss as a forward, so that FSDP2 has one to hook onto."""
+
+    def __init__(self, draft: nn.Module, loss_fn):
+        super().__init__()
+        self.draft, self.loss_fn = draft, loss_fn
+
+    def forward(self, batch, **kwargs):
+        return self.loss_fn(self.draft, batch, **kwargs)
+
+
+def shard_draft(draft: nn.Module, loss_fn, mesh):
+    """FSDP2 over the draft (``mesh``: the ranks that co-train copies of it), gradients summed like
+    the policy's; returns the loss to give `cotrain_draft`, called as ``loss(draft, batch, ...)``.
+    Set the draft's requires_grad flags before, and build its optimizer after (the parameters
+    become DTensor shards)."""
+    module = _DraftLoss(draft, loss_fn)
+    fully_shard(module, mesh=mesh, reshard_after_forward=True)
+    module.set_gradient_divide_factor(1.0)
+    module.set_force_sum_reduction_for_comms(True)
+
+    def sharded_loss(_draft, batch, **kwargs):
+        return module(batch, **kwargs)
+
+    return sharded_loss
 
 
 def full_tensor(t: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,8 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
   (dp x cp ranks) under dp; the KL reference the same as the parameters; FSDP2 also holds one
   unsharded unit and the next (prefetched) during a forward or backward, and under dp x pp the
   whole stage and its accumulated gradients for the step (`GatherOncePerStep`);
-- draft (its trainers): parameters, gradients and AdamW in fp32, replicated;
+- draft (its trainers): parameters, gradients and AdamW in fp32, sharded like the stage under dp
+  when co-trained (a frozen draft: its parameters, whole);
 - engine (a replica's generating rank): the policy and the draft in ``rollout.dtype``, the KV cache
   2 L B S Hkv D, the draft's cache, and the speculative engine's feature history B S F (F the
   draft's feature width);
@@ -127,9 +128,10 @@ def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
         elif p.dp > 1:  # one unit unsharded and the next prefetched
             unit = max([_count(layer) for layer in stage.layers.values()] or [0])
             mem["fsdp_unsharded"] = 2 * unit * FP32
-        if draft is not None and last:
+        if draft is not None and last:  # co-trained: sharded like the stage under dp
             nd = _count(draft)
-            mem["draft"] = nd * FP32 * (4 if cfg.draft.mode == "cotrain" else 1)
+            cotrained = cfg.draft.mode == "cotrain"
+            mem["draft"] = nd * FP32 * (4 / shard if cotrained else 1)
         in_flight = min(p.pp - s, M) if p.schedule == "1f1b" else M
         per_token = activation_floats_per_token(m, layers=len(layers[s]), first=first, last=last,
                                                 kl=kl)
@@ -145,6 +147,14 @@ def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
                 passes = g.micro_steps * (2 + (1 if kl else 0))
             comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
             comm["fsdp_reduce_scatter"] = gathered * g.micro_steps
+            if last and draft is not None and cfg.draft.mode == "cotrain":
+                # the sharded draft: gathered for each update's forward and backward, and twice
+                # at the sync (its finiteness check reads it whole, then the push), its gradients
+                # reduce-scattered after each update (one per minibatch)
+                updates = cfg.draft.cotrain_iters * g.micro_steps
+                draft_gathered = _count(draft) * (shard - 1) / shard * FP32
+                comm["fsdp_all_gather"] += draft_gathered * (2 * updates + 2)
+                comm["fsdp_reduce_scatter"] += draft_gathered * updates
         if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back
             step_tokens = minibatch_tokens * g.micro_steps / p.dp / p.cp
             comm["pipeline"] = (2 * (not first) + (not last)) * step_tokens * m.hidden_size * FP32

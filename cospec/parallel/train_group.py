@@ -21,8 +21,8 @@ is the pp x cp ranks of one dp_rank. Roles:
   ranks wait during generation; dp, whose replicas each hold a whole copy, is the axis that
   multiplies rollout throughput (`cospec bench rollout-dp`).
 - rank 0 is the *lead*: it also evaluates, logs and writes checkpoints.
-- dp: every replica trains on its own rollouts; the policy is sharded with FSDP2 over every rank
-  and the draft replicated (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp x cp: each
+- dp: every replica trains on its own rollouts; the policy and a co-trained draft are sharded
+  with FSDP2 over every rank (`cospec.parallel.data_parallel`, `cospec.rl.dp_step`). dp x cp: each
   replica's cp ranks zigzag-shard its minibatches as under cp alone, and FSDP2 sums the gradient
   shares of all dp x cp ranks at once (torchtitan's flattened dp-shard x cp mesh). dp x pp (x cp):
   every replica is a pipeline; each stage is sharded over the ranks holding it in every replica

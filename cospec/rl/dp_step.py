@@ -52,7 +52,8 @@ class DataParallelPolicyStep(LocalPolicyStep):
 class DataParallelDraftLoss:
     """The co-training loss of a replica's `TTTBatch`: its share of the loss over the replicas'
     batches together (masked means divided by the all-reduced count), and the whole metrics.
-    `reduce_grads` sums the replicated draft's gradients over the replicas."""
+    `reduce_grads` sums a replicated draft's gradients over the replicas (a co-trained draft is
+    FSDP2-sharded instead, `shard_draft`, which sums them itself)."""
 
     def __init__(self, group=None):
         self.group = group

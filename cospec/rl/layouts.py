@@ -45,7 +45,7 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
     if pp > 1:
         return _pipelined(cfg, policy, group, draft, rollout_policy, rollout_draft)
     if group is not None and group.dp > 1:
-        return _data_parallel(cfg, policy, group, rollout_policy, rollout_draft)
+        return _data_parallel(cfg, policy, group, draft, rollout_policy, rollout_draft)
     trained = policy.train()
     reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
                  if g.log_kl or g.kl_coef else None)
@@ -66,11 +66,12 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
                         reduce_draft_grads=cp_loss.reduce_grads)
 
 
-def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft) -> PolicyLayout:
-    """dp > 1: the policy and its reference sharded with FSDP2 over every rank (the dp replicas
-    and, under dp x cp, each replica's cp ranks: FSDP2's sum then adds up every rank's share),
-    the draft replicated; every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
-    from cospec.parallel.data_parallel import ShardedWeightSync, shard_policy
+def _data_parallel(cfg: RunConfig, policy, group, draft, rollout_policy,
+                   rollout_draft) -> PolicyLayout:
+    """dp > 1: the policy, its reference and a co-trained draft sharded with FSDP2 over every rank
+    (the dp replicas and, under dp x cp, each replica's cp ranks: FSDP2's sum then adds up every
+    rank's share); every replica syncs its own engine (`cospec.parallel.data_parallel`)."""
+    from cospec.parallel.data_parallel import ShardedWeightSync, shard_draft, shard_policy
     from cospec.rl.dp_step import DataParallelDraftLoss, DataParallelPolicyStep
 
     g, mesh = cfg.grpo, group.fsdp_mesh
@@ -91,10 +92,15 @@ def _data_parallel(cfg: RunConfig, policy, group, rollout_policy, rollout_draft)
                                       autocast=g.autocast, **_loss_kwargs(cfg))
         draft_loss = DataParallelDraftLoss(group=None)
     # every rank takes part in the all-gathers; the replica's generating rank keeps the weights
-    return PolicyLayout(trained, reference, optimizer, step,
-                        weight_sync=ShardedWeightSync(rollout_policy),
-                        draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None,
-                        draft_loss=draft_loss, reduce_draft_grads=draft_loss.reduce_grads)
+    layout = PolicyLayout(trained, reference, optimizer, step,
+                          weight_sync=ShardedWeightSync(rollout_policy),
+                          draft_sync=(InProcessWeightSync(rollout_draft)
+                                      if rollout_draft is not None else None),
+                          draft_loss=draft_loss, reduce_draft_grads=draft_loss.reduce_grads)
+    if draft is not None and cfg.draft.mode == "cotrain":
+        layout.draft_loss, layout.reduce_draft_grads = shard_draft(draft, draft_loss, mesh), None
+        layout.draft_sync = ShardedWeightSync(rollout_draft)
+    return layout
 
 
 def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_draft) -> PolicyLayout:
@@ -131,7 +137,8 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
     layout = PolicyLayout(
         trained, reference, optimizer, step, weight_sync=weight_sync,
         draft_sync=(DraftWeightSync(rollout_draft, src=group.replica_draft_rank,
-                                    dst=group.replica_first_rank) if draft is not None else None))
+                                    dst=group.replica_first_rank, owner=group.owns_draft)
+                    if draft is not None else None))
     # the draft's loss and gradients summed over its trainers: the last stage's cp ranks, and
     # under dp those of every replica (the last stage's stage group)
     if sharded and group.cp > 1:
@@ -149,6 +156,11 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
     else:
         return layout
     layout.draft_loss, layout.reduce_draft_grads = cp_loss, cp_loss.reduce_grads
+    if sharded and group.owns_draft and cfg.draft.mode == "cotrain":
+        from cospec.parallel.data_parallel import shard_draft
+
+        layout.draft_loss = shard_draft(draft, cp_loss, group.fsdp_mesh)
+        layout.reduce_draft_grads = None
     return layout
 
 

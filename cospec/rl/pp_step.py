@@ -274,23 +274,26 @@ class StageWeightSync:
 
 class DraftWeightSync:
     """The draft's weights from the stage that trains it (``src``) to the rollout engine's copy on
-    ``dst``; ``push(draft)`` is called on both (other ranks: no-op). Tensors only, as above."""
+    ``dst``; ``push(draft)`` is called on both (other ranks: no-op). Tensors only, as above. Under
+    dp x pp the draft is FSDP2-sharded over its trainers (``owner``): they all-gather it first."""
 
-    def __init__(self, target: nn.Module | None, *, src: int, dst: int = 0):
-        self.target, self.src, self.dst = target, src, dst
+    def __init__(self, target: nn.Module | None, *, src: int, dst: int = 0, owner: bool = False):
+        self.target, self.src, self.dst, self.owner = target, src, dst, owner
         self._sender, self._receiver = None, None
 
     @torch.no_grad()
     def push(self, draft: nn.Module) -> None:
         rank = dist.get_rank()
+        if self.owner:  # a collective among the draft's trainers when it is sharded
+            state = {k: full_tensor(v) for k, v in draft.state_dict().items()}
         if self.src == self.dst:
             if rank == self.dst:
                 for name, t in self.target.state_dict().items():
-                    t.copy_(draft.state_dict()[name])
+                    t.copy_(state[name])
             return
         if rank == self.src:
             self._sender = self._sender or StateDictSender(self.dst)
-            self._sender.send(draft.state_dict())
+            self._sender.send(state)
         elif rank == self.dst:
             self._receiver = self._receiver or StateDictReceiver(self.src)
             state = self._receiver.receive()

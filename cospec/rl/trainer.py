@@ -40,6 +40,7 @@ from cospec.metrics.progress import progress_bar
 from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
+from cospec.parallel.data_parallel import full_tensor
 from cospec.parallel.tensor_transfer import broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
@@ -101,10 +102,9 @@ class GRPOTrainer:
                               if draft is not None and self.generates else None)
         self.draft = draft  # the trainer's draft, updated by co-training (on its owner rank)
         self.draft_optimizer = None
-        if draft is not None and cfg.draft.mode == "cotrain" and self.owns_draft:
-            self.draft_optimizer = torch.optim.AdamW(trainable_parameters(draft, cfg),
-                                                     lr=cfg.draft.cotrain_lr,
-                                                     betas=(0.9, 0.95), weight_decay=0.0)
+        cotrains = draft is not None and cfg.draft.mode == "cotrain" and self.owns_draft
+        if cotrains:
+            trainable_parameters(draft, cfg)  # sets requires_grad, before any sharding
         self._draft_data: list[TTTBatch] = []
         self._step_examples: list[Example] = []  # the step's examples over every replica (generate)
         layout = build_policy_layout(cfg, policy, group=group, draft=draft,
@@ -114,6 +114,10 @@ class GRPOTrainer:
         self.policy_step, self.weight_sync, self.draft_sync = (layout.policy_step, layout.weight_sync,
                                                                layout.draft_sync)
         self.draft_loss, self.reduce_draft_grads = layout.draft_loss, layout.reduce_draft_grads
+        if cotrains:  # after the layout: under dp the draft's parameters are FSDP2 shards now
+            self.draft_optimizer = torch.optim.AdamW(
+                [p for p in draft.parameters() if p.requires_grad], lr=cfg.draft.cotrain_lr,
+                betas=(0.9, 0.95), weight_decay=0.0)
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
         self.engine = self._make_engine() if self.generates else None
         self.step = 0
@@ -253,7 +257,8 @@ class GRPOTrainer:
             self.weight_sync.push(self.policy)
         if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
             if self.owns_draft:  # a draft with a NaN would stop the next rollout: say so now
-                bad = nonfinite_names(self.draft.state_dict())
+                # (whole tensors: a collective among the draft's trainers when it is sharded)
+                bad = nonfinite_names({k: full_tensor(v) for k, v in self.draft.state_dict().items()})
                 if bad:
                     raise NonFiniteError(f"GRPO step {self.step + 1}: the co-trained draft has "
                                          f"non-finite weights ({', '.join(bad[:3])}); it is not "

@@ -52,8 +52,8 @@ def trainer_state(trainer) -> dict | None:
 
 def _dcp_state(trainer) -> dict:
     """The state DCP writes and reads in place: the policy's (or its stage's) sharded parameters
-    and AdamW state, and the draft's optimizer where the draft trains (replicated: DCP keeps one
-    copy). Optimizer states are flattened to parameter-name keys, so that the stages' entries of
+    and AdamW state, and the draft's optimizer state where the draft trains (sharded like the
+    policy's). Optimizer states are flattened to parameter-name keys, so that the stages' entries of
     a dp x pp mesh never collide."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
@@ -88,7 +88,9 @@ def save_trainer(trainer) -> None:
     collective when distributed."""
     group = trainer.group
     policy = trainer.policy if group is None else trainer.rollout_policy
-    draft = trainer.draft if group is None or group.pp == 1 else trainer.rollout_draft
+    # distributed, the draft's whole copy is the engine's (under dp and pp the trainer's is a
+    # shard, or lives on another rank)
+    draft = trainer.draft if group is None or (group.pp == 1 and group.dp == 1) else trainer.rollout_draft
     _check_finite(trainer, policy, draft)
     root = Path(f"{trainer.out_dir}/checkpoints")
     staged = None
@@ -125,10 +127,24 @@ def restore_trainer(trainer, ckpt: dict) -> None:
         if trainer.draft_optimizer is not None:
             trainer.draft_optimizer.load_state_dict(mine["draft_optimizer"])
     if ckpt["draft"] is not None:
-        copy_weights(ckpt["draft"], [trainer.draft, trainer.rollout_draft])
+        copy_weights(ckpt["draft"], [trainer.rollout_draft])
+        _load_whole(trainer.draft, ckpt["draft"])
     torch.set_rng_state(st["torch_rng"])
     trainer.prompt_rng.setstate(as_tuples(st["prompt_rng"]))
     trainer.step = st["step"]
+
+
+def _load_whole(module, source) -> None:
+    """``source``'s whole tensors into ``module``, whose parameters may be FSDP2 shards (then each
+    rank keeps its own)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        copy_weights(source, [module])
+        return
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    set_model_state_dict(module, source.state_dict(), options=StateDictOptions(full_state_dict=True))
 
 
 def _restore_shards(trainer, path: Path) -> None:
