@@ -101,71 +101,105 @@ class StagePlan:
         return sum(self.memory.values())
 
 
+@dataclass
+class _Run:
+    """What every stage's figures read: the config, the meta models and the derived sizes."""
+
+    cfg: RunConfig
+    context: float
+    policy: object
+    stages: list
+    layers: list[range]
+    draft: object
+
+    @property
+    def shard(self) -> int:  # the FSDP2 group: dp x cp ranks under dp, else nothing is sharded
+        p = self.cfg.parallel
+        return p.dp * p.cp if p.dp > 1 else 1
+
+    @property
+    def kl(self) -> bool:
+        return bool(self.cfg.grpo.kl_coef or self.cfg.grpo.log_kl)
+
+    @property
+    def minibatch_tokens(self) -> float:
+        g = self.cfg.grpo
+        return g.prompts_per_step * g.group_size // g.micro_steps * self.context
+
+    @property
+    def cotrained_draft(self) -> bool:
+        return self.draft is not None and self.cfg.draft.mode == "cotrain"
+
+
 def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
     """Per stage: memory and collective bytes per step of ``cfg``'s run, sequences of ``context``
     tokens (prompt and response, on average; default: model.max_seq_len)."""
-    p, g, m = cfg.parallel, cfg.grpo, cfg.model
-    context = context or m.max_seq_len
-    policy, stages, layers, draft = _meta_models(cfg)
-    shard = p.dp * p.cp if p.dp > 1 else 1
-    kl = bool(g.kl_coef or g.log_kl)
-    minibatch_tokens = g.prompts_per_step * g.group_size // g.micro_steps * context
-    tokens_per_rank = minibatch_tokens / p.dp / p.cp
-    M = p.microbatches if p.pp > 1 else 1
-    rollout = DTYPE_BYTES[cfg.rollout.dtype]
+    run = _Run(cfg, context or cfg.model.max_seq_len, *_meta_models(cfg))
     out = []
-    for s, stage in enumerate(stages):
-        n, first, last = _count(stage), s == 0, s == p.pp - 1
-        sp = StagePlan(stage=s, layers=len(layers[s]))
-        mem, comm = sp.memory, sp.comm
-        mem["parameters"] = n / shard * FP32
-        mem["gradients"] = n / shard * FP32
-        mem["optimizer"] = 2 * n / shard * FP32
-        if kl:
-            mem["reference"] = n / shard * FP32
-        if p.dp > 1 and p.pp > 1:  # the stage whole for the step, its gradients accumulated
-            mem["fsdp_unsharded"] = 2 * n * FP32
-        elif p.dp > 1:  # one unit unsharded and the next prefetched
-            unit = max([_count(layer) for layer in stage.layers.values()] or [0])
-            mem["fsdp_unsharded"] = 2 * unit * FP32
-        if draft is not None and last:  # co-trained: sharded like the stage under dp
-            nd = _count(draft)
-            cotrained = cfg.draft.mode == "cotrain"
-            mem["draft"] = nd * FP32 * (4 / shard if cotrained else 1)
-        in_flight = min(p.pp - s, M) if p.schedule == "1f1b" else M
-        per_token = activation_floats_per_token(m, layers=len(layers[s]), first=first, last=last,
-                                                kl=kl)
-        mem["activations"] = tokens_per_rank / M * in_flight * per_token * FP32
-        if first:
-            mem.update(_engine_memory(cfg, _count(policy), draft, rollout))
-        # collectives per step
-        if shard > 1:
-            gathered = n * (shard - 1) / shard * FP32
-            if p.pp > 1:  # once a minibatch for the policy and for its reference pass
-                passes = g.micro_steps * 2
-            else:
-                passes = g.micro_steps * (2 + (1 if kl else 0))
-            comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
-            comm["fsdp_reduce_scatter"] = gathered * g.micro_steps
-            if last and draft is not None and cfg.draft.mode == "cotrain":
-                # the sharded draft: gathered for each update's forward and backward, and twice
-                # at the sync (its finiteness check reads it whole, then the push), its gradients
-                # reduce-scattered after each update (one per minibatch)
-                updates = cfg.draft.cotrain_iters * g.micro_steps
-                draft_gathered = _count(draft) * (shard - 1) / shard * FP32
-                comm["fsdp_all_gather"] += draft_gathered * (2 * updates + 2)
-                comm["fsdp_reduce_scatter"] += draft_gathered * updates
-        if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back
-            step_tokens = minibatch_tokens * g.micro_steps / p.dp / p.cp
-            comm["pipeline"] = (2 * (not first) + (not last)) * step_tokens * m.hidden_size * FP32
-            if last and draft is not None and cfg.draft.mode == "cotrain":
-                remote = [t for t in draft.tap_layers if t not in layers[s]]
-                comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
-        if p.cp > 1:
-            kv = tokens_per_rank * m.num_kv_heads * m.head_dim * FP32
-            comm["cp_ring_kv"] = len(layers[s]) * g.micro_steps * (p.cp - 1) * kv * (2 + 4)
+    for s in range(cfg.parallel.pp):
+        sp = StagePlan(stage=s, layers=len(run.layers[s]))
+        sp.memory.update(_stage_memory(run, s))
+        sp.comm.update(_stage_comm(run, s))
         out.append(sp)
     return out
+
+
+def _stage_memory(run: _Run, s: int) -> dict:
+    p, m, stage = run.cfg.parallel, run.cfg.model, run.stages[s]
+    n, shard, first, last = _count(stage), run.shard, s == 0, s == p.pp - 1
+    mem = {"parameters": n / shard * FP32, "gradients": n / shard * FP32,
+           "optimizer": 2 * n / shard * FP32}
+    if run.kl:
+        mem["reference"] = n / shard * FP32
+    if p.dp > 1 and p.pp > 1:  # the stage whole for the step, its gradients accumulated
+        mem["fsdp_unsharded"] = 2 * n * FP32
+    elif p.dp > 1:  # one unit unsharded and the next prefetched
+        unit = max([_count(layer) for layer in stage.layers.values()] or [0])
+        mem["fsdp_unsharded"] = 2 * unit * FP32
+    if run.draft is not None and last:  # co-trained: sharded like the stage under dp
+        mem["draft"] = _count(run.draft) * FP32 * (4 / shard if run.cotrained_draft else 1)
+    M = p.microbatches if p.pp > 1 else 1
+    in_flight = min(p.pp - s, M) if p.schedule == "1f1b" else M
+    per_token = activation_floats_per_token(m, layers=len(run.layers[s]), first=first, last=last,
+                                            kl=run.kl)
+    mem["activations"] = run.minibatch_tokens / p.dp / p.cp / M * in_flight * per_token * FP32
+    if first:
+        mem.update(_engine_memory(run.cfg, _count(run.policy), run.draft,
+                                  DTYPE_BYTES[run.cfg.rollout.dtype]))
+    return mem
+
+
+def _stage_comm(run: _Run, s: int) -> dict:
+    """Bytes this stage's rank receives per step, by collective."""
+    p, g, m = run.cfg.parallel, run.cfg.grpo, run.cfg.model
+    n, shard, first, last = _count(run.stages[s]), run.shard, s == 0, s == p.pp - 1
+    comm = {}
+    if shard > 1:
+        gathered = n * (shard - 1) / shard * FP32
+        if p.pp > 1:  # once a minibatch for the policy and for its reference pass
+            passes = g.micro_steps * 2
+        else:
+            passes = g.micro_steps * (2 + (1 if run.kl else 0))
+        comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
+        comm["fsdp_reduce_scatter"] = gathered * g.micro_steps
+        if last and run.cotrained_draft:
+            # the sharded draft: gathered for each update's forward and backward, and twice at
+            # the sync (its finiteness check reads it whole, then the push), its gradients
+            # reduce-scattered after each update (one per minibatch)
+            updates = run.cfg.draft.cotrain_iters * g.micro_steps
+            draft_gathered = _count(run.draft) * (shard - 1) / shard * FP32
+            comm["fsdp_all_gather"] += draft_gathered * (2 * updates + 2)
+            comm["fsdp_reduce_scatter"] += draft_gathered * updates
+    step_tokens = run.minibatch_tokens * g.micro_steps / p.dp / p.cp
+    if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back
+        comm["pipeline"] = (2 * (not first) + (not last)) * step_tokens * m.hidden_size * FP32
+        if last and run.cotrained_draft:
+            remote = [t for t in run.draft.tap_layers if t not in run.layers[s]]
+            comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
+    if p.cp > 1:
+        kv = run.minibatch_tokens / p.dp / p.cp * m.num_kv_heads * m.head_dim * FP32
+        comm["cp_ring_kv"] = len(run.layers[s]) * g.micro_steps * (p.cp - 1) * kv * (2 + 4)
+    return comm
 
 
 def _engine_memory(cfg: RunConfig, policy_params: int, draft, rollout_bytes: int) -> dict:
