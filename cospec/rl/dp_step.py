@@ -8,6 +8,9 @@ its share whose *global* index is i modulo grpo.micro_steps (`replica_chunks`). 
 2. the forward and backward run on the replica's own tokens; FSDP2 sums the gradients over the
    replicas (`cospec.parallel.data_parallel.shard_policy`) and the clip uses the global norm;
 3. the summed statistics are all-reduced, so every replica logs the whole minibatch's.
+Why the sum of the shares is the single-process step: docs/design.md, "Data parallelism: the step
+as a sum of shares". The token count's all-reduce is read on the host (one sync per minibatch,
+beside the gradient norm's).
 """
 
 from __future__ import annotations
