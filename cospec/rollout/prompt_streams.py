@@ -17,10 +17,9 @@ gather at each row's counter and a counter increment (a handful of small ops: ab
 plain decode step at batch 16 on the default model, measured in docs/results/rollout.md).
 
 Why the sampling stays exact: docs/design.md, "Per-prompt random streams". The tokens are then a
-function of (prompt, seed, policy) alone, up to the floating-point
-differences that another batch shape can cause in the forward (a different matmul blocking moves a
-logit by an ulp, which changes a token only when a uniform falls within that ulp of a boundary of
-the inverse CDF).
+function of (prompt, seed, policy) alone, up to the floating-point differences that another batch
+shape can cause in the forward (a different matmul blocking moves a logit by an ulp, which changes
+a token only when a uniform falls within that ulp of a boundary of the inverse CDF).
 """
 
 from __future__ import annotations
