@@ -5,8 +5,8 @@
 Under ``parallel.dp`` every rank is a replica: it generates its share of the step's prompt groups
 with its own engine (a full inference copy of the policy and the draft), and trains on them. The
 trained policy is sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`, one unit per decoder
-layer and one for the rest): each rank keeps 1/dp of every parameter, of its gradient and of the
-AdamW state; a forward all-gathers a layer's parameters just before it runs and frees them after
+layer and one for the rest): each of the N ranks it shards over (dp, or dp x cp) keeps 1/N of
+every parameter, of its gradient and of the AdamW state; a forward all-gathers a layer's parameters just before it runs and frees them after
 it, the backward reduce-scatters the gradients.
 
 Loss scale: each rank's loss is its tokens' share of the *global* minibatch mean (divided by the
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 
@@ -92,8 +92,8 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
 
 class ShardedWeightSync:
     """`cospec.rl.weight_sync.WeightSync` from a sharded model into this rank's engine copy: the
-    shards all-gathered over the dp group, parameter by parameter (a collective: every replica
-    pushes at the same time, each into its own engine)."""
+    shards all-gathered over the FSDP2 group, parameter by parameter (a collective: every rank
+    pushes at the same time, each replica's first rank into its own engine)."""
 
     def __init__(self, target: nn.Module | None):
         self.target = target  # None on a rank without an engine (dp x cp: all but a replica's first)
@@ -145,8 +145,6 @@ class GatherOncePerStep:
     whole meanwhile (torchtitan makes the same trade under pipeline parallelism)."""
 
     def __init__(self, model: nn.Module, *, train: bool = True):
-        from torch.distributed.fsdp import FSDPModule
-
         self.units = [m for m in model.modules() if isinstance(m, FSDPModule)]
         self.root, self.train = model, train
 
