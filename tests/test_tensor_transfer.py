@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from cospec.parallel.launch import spawn
 from cospec.parallel.tensor_transfer import (StateDictReceiver, StateDictSender,
-                                             broadcast_rollouts)
+                                             broadcast_draft_metrics, broadcast_rollouts)
 from cospec.rollout.engine import Completion
 
 ROLLOUTS = ([Completion(index=0, prompt=[1, 5, 6], tokens=[7, 8, 2], logprobs=[-0.5, -1.25, -0.125],
@@ -19,8 +19,13 @@ ROLLOUTS = ([Completion(index=0, prompt=[1, 5, 6], tokens=[7, 8, 2], logprobs=[-
             torch.tensor([0.5, -1.0, 0.25]), torch.tensor([1.0, 0.0, 0.5]), 12)
 
 
+METRICS = {"draft_loss": 2.5, "draft_acceptance_tf": [0.75, 0.5, 0.25], "draft_nonfinite_skipped": 1}
+
+
 def _rank(rank, world):
     out = broadcast_rollouts(ROLLOUTS if rank == 0 else None, src=0)
+    metrics = [broadcast_draft_metrics(METRICS if rank == 1 else {}, src=1, ttt_steps=3),
+               broadcast_draft_metrics({}, src=1, ttt_steps=3)]  # a step without co-training
     state = {"w": torch.arange(6.0).view(2, 3), "b": torch.tensor([1.5], dtype=torch.float64),
              "ids": torch.tensor([3, 1, 4], dtype=torch.long), "h": torch.ones(2, dtype=torch.bfloat16)}
     received = []
@@ -44,12 +49,13 @@ def _rank(rank, world):
             received = [receiver.receive() for _ in range(3)]
     finally:
         dist.send_object_list, dist.recv_object_list = real_send_obj, real_recv_obj
-    return out, received, calls["object"], state
+    return out, received, calls["object"], state, metrics
 
 
 @pytest.mark.slow
 def test_rollouts_and_state_dicts_arrive_as_sent():
-    (out0, _, calls0, state), (out1, received, calls1, _) = spawn(_rank, 2)
+    (out0, _, calls0, state, metrics0), (out1, received, calls1, _, metrics1) = spawn(_rank, 2)
+    assert metrics0 == metrics1 == [METRICS, {}]
     for out in (out0, out1):
         completions, advantages, rewards, first = out
         assert [vars(c) for c in completions] == [vars(c) for c in ROLLOUTS[0]]

@@ -9,6 +9,7 @@ handful of tensors whose sizes are sent first (a fixed-size header):
 - `broadcast_rollouts`: a replica's rollouts (prompt and response ids, logprobs, advantages,
   rewards, finish reasons) from its generating rank to its other ranks: two broadcasts, the header
   [R, L] and then one int64 and one float64 tensor;
+- `broadcast_draft_metrics`: the co-training's metrics from the last pipeline stage (one tensor);
 - `StateDictSender` / `StateDictReceiver`: a module's state dict as one flat tensor per dtype,
   by point-to-point send and receive. The names, shapes and dtypes (the *manifest*) are exchanged
   once, as an object, when the pair is set up; every later transfer is tensors only.
@@ -72,6 +73,28 @@ def broadcast_rollouts(payload, *, src: int, group=None):
         at += n_prompt + n_resp
         lp_at += n_resp
     return out, floats_host[:R].float(), floats_host[R:2 * R].float(), first
+
+
+def broadcast_draft_metrics(metrics: dict, *, src: int, ttt_steps: int, group=None) -> dict:
+    """`cotrain_draft`'s metrics (``draft_loss``, ``draft_acceptance_tf`` per TTT step,
+    ``draft_nonfinite_skipped``; or {} on a step without co-training) from rank ``src`` to every
+    rank: one float64 tensor [present, loss, skipped, acceptance...] and one host read."""
+    device = _device(group)
+    buf = torch.zeros(3 + ttt_steps, dtype=torch.float64)
+    if dist.get_rank() == src and metrics:
+        acceptance = list(metrics["draft_acceptance_tf"])
+        if len(acceptance) > ttt_steps:
+            raise ValueError(f"{len(acceptance)} acceptance figures for {ttt_steps} TTT steps")
+        buf[:3 + len(acceptance)] = torch.tensor(
+            [1.0, metrics["draft_loss"], metrics["draft_nonfinite_skipped"], *acceptance],
+            dtype=torch.float64)
+    buf = buf.to(device)
+    dist.broadcast(buf, src, group=group)
+    present, loss, skipped, *acceptance = buf.tolist()
+    if not present:
+        return {}
+    return {"draft_loss": loss, "draft_acceptance_tf": acceptance,
+            "draft_nonfinite_skipped": int(skipped)}
 
 
 def _fit(buf: Tensor, n: int) -> Tensor:

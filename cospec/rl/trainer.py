@@ -41,7 +41,7 @@ from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
 from cospec.parallel.data_parallel import full_tensor
-from cospec.parallel.tensor_transfer import broadcast_rollouts
+from cospec.parallel.tensor_transfer import broadcast_draft_metrics, broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
 from cospec.rl.dp_step import replica_chunks, replicas_view
@@ -294,7 +294,8 @@ class GRPOTrainer:
         t3 = time.perf_counter()
         draft_metrics = self.train_draft()
         if self.group is not None and self.group.draft_rank not in (None, 0):
-            draft_metrics = self.group.broadcast(draft_metrics, src=self.group.draft_rank)
+            draft_metrics = broadcast_draft_metrics(draft_metrics, src=self.group.draft_rank,
+                                                    ttt_steps=self.cfg.draft.ttt_steps)
         train.update(draft_metrics)
         t4 = time.perf_counter()
         self.sync_weights()
