@@ -30,8 +30,10 @@ as they receive):
   reduce-scatter;
 - pipeline: into a stage, the activations T C of the policy's and of the reference's forward;
   out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
-- cp ring (not yet checked by a test): per layer and microbatch, the K and V shards (cp - 1) times
-  forward, K, V, dK, dV backward.
+- cp ring: per layer and minibatch, a rank's K and V shards cp - 1 hops forward (the policy's, and
+  the reference's with a KL) and backward, dK and dV cp hops; the draft's trunk K and V the same
+  per TTT step of each co-training update (padding of the zigzag chunks, a few percent, not
+  counted).
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers), the draft's
 co-training activations (a separate, smaller peak after the policy step), allocator fragmentation,
 and mixed precision (grpo.autocast).
@@ -196,9 +198,20 @@ def _stage_comm(run: _Run, s: int) -> dict:
         if last and run.cotrained_draft:
             remote = [t for t in run.draft.tap_layers if t not in run.layers[s]]
             comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
-    if p.cp > 1:
-        kv = run.minibatch_tokens / p.dp / p.cp * m.num_kv_heads * m.head_dim * FP32
-        comm["cp_ring_kv"] = len(run.layers[s]) * g.micro_steps * (p.cp - 1) * kv * (2 + 4)
+    if p.cp > 1:  # K and V of a rank's shard, per layer: cp - 1 hops forward (the policy's, and
+        # the reference's with a KL), cp - 1 backward, and cp for dK and dV
+        kv = 2 * run.minibatch_tokens / p.dp / p.cp * m.num_kv_heads * m.head_dim * FP32
+        hops = 2 * (p.cp - 1) + p.cp + ((p.cp - 1) if run.kl else 0)
+        comm["cp_ring"] = len(run.layers[s]) * g.micro_steps * hops * kv
+        if last and run.cotrained_draft:  # the draft's trunk K/V, once per TTT step
+            d = run.cfg.draft
+            tokens = run.minibatch_tokens / p.dp
+            if d.cotrain_max_tokens:  # each replica samples its share of the budget
+                tokens = min(tokens, d.cotrain_max_tokens / p.dp / g.micro_steps)
+            dcfg = run.draft.config
+            kv_d = 2 * tokens / p.cp * dcfg.num_kv_heads * dcfg.head_dim * FP32
+            comm["cp_ring_draft"] = (d.cotrain_iters * g.micro_steps * d.ttt_steps
+                                     * (2 * (p.cp - 1) + p.cp) * kv_d)
     return comm
 
 
