@@ -73,7 +73,9 @@ def _local_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-LAYOUTS = {"dp2": ["parallel.dp=2"], "pp2": ["parallel.pp=2"], "cp2": ["parallel.cp=2"],
+# pp2: the draft taps layer 0 too, which lives on the first stage (TapChannel carries it)
+LAYOUTS = {"dp2": ["parallel.dp=2"], "pp2": ["parallel.pp=2", "draft.tap_layers=[0,1,1]"],
+           "cp2": ["parallel.cp=2"],
            "dp2xpp2": ["parallel.dp=2", "parallel.pp=2"]}
 SHARED = ["grpo.micro_steps=2", "grpo.kl_coef=0.05", "rollout.speculative=true",
           "draft.mode=cotrain", "rollout.adaptive=false", "parallel.microbatches=2"]
@@ -87,7 +89,7 @@ def _counting_run(rank, world, out_dir, layout):
     """One trainer step of ``layout`` with every byte this rank receives counted by collective."""
     from torch.distributed.tensor import DTensor
 
-    from cospec.models.draft import Eagle3Draft
+    from cospec.draft.offline import build_draft
     from cospec.parallel.train_group import make_train_group
     from cospec.rl.trainer import GRPOTrainer
 
@@ -95,7 +97,7 @@ def _counting_run(rank, world, out_dir, layout):
     torch.manual_seed(0)
     policy = Transformer(cfg.model)
     group = make_train_group(cfg.parallel, rank, world)
-    trainer = GRPOTrainer(cfg, policy, draft=Eagle3Draft.from_policy(policy), tensorboard=False,
+    trainer = GRPOTrainer(cfg, policy, draft=build_draft(cfg, policy), tensorboard=False,
                           group=group)
     counted = {"all_gather": 0.0, "reduce_scatter": 0.0, "p2p": 0.0, "ring": 0.0}
     real = (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
@@ -153,6 +155,8 @@ def _counting_run(rank, world, out_dir, layout):
                                           if p.grad is not None)
                            + _local_bytes(draft_state))
     tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in shared.completions)  # trained positions
+    taps = getattr(trainer.policy_step, "taps", None)
+    counted["taps_sent"] = taps.bytes_sent if taps is not None else 0
     return {"stage": group.stage, "memory": memory, "comm": counted,
             "context": tokens / len(shared.completions)}
 
@@ -185,7 +189,12 @@ def trainer_batch(trainer):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("dp2", 2), ("pp2", 2), ("cp2", 2), ("dp2xpp2", 4)])
 def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, ranks):
-    for r in spawn(_counting_run, ranks, str(tmp_path), layout):
+    results = spawn(_counting_run, ranks, str(tmp_path), layout)
+    if layout == "pp2":  # what stage 0 sent on TapChannel is what the last stage received
+        planned = plan(_layout_cfg(layout), context=results[1]["context"])[1]
+        assert planned.comm["taps"] > 0
+        assert results[0]["comm"]["taps_sent"] == pytest.approx(planned.comm["taps"], rel=0.02)
+    for r in results:
         planned = plan(_layout_cfg(layout), context=r["context"])[r["stage"]]
         for part, value in r["memory"].items():
             assert value == pytest.approx(planned.memory[part], rel=0.02), (r["stage"], part)
