@@ -37,6 +37,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
+from cospec.parallel.launch import backend_device
+
 
 def shard_policy(model: nn.Module, mesh) -> nn.Module:
     """FSDP2 over ``mesh``: one unit per decoder layer, the root (embedding, final norm, head) one
@@ -113,10 +115,9 @@ class ShardedWeightSync:
 
 
 def _on_backend_device(t: torch.Tensor, group) -> torch.Tensor:
-    """``t`` where the group's backend reads it: NCCL only moves CUDA tensors."""
-    if dist.get_backend(group) == "nccl" and not t.is_cuda:
-        return t.to(torch.device("cuda", torch.cuda.current_device()))
-    return t
+    """``t`` where the group's backend reads it (`backend_device`); gloo reads CUDA ones too."""
+    device = backend_device(group)
+    return t.to(device) if device.type == "cuda" else t
 
 
 def all_reduce_sum(t: torch.Tensor, group=None) -> torch.Tensor:

@@ -23,6 +23,7 @@ from torch import Tensor
 from cospec.data.tokenizer import PAD
 from cospec.draft.ttt import TTTSteps, ttt_loss_on_steps
 from cospec.models.draft import TappedDraft
+from cospec.parallel.data_parallel import all_reduce_sum
 from cospec.parallel.ring_attention import ring_trunk_branch_attention
 from cospec.parallel.zigzag import ZigzagLayout
 
@@ -37,12 +38,6 @@ def shard_ttt_steps(layout: ZigzagLayout, steps: TTTSteps, rank: int) -> TTTStep
                     positions_T=layout.local_positions(rank).to(steps.positions_T.device))
 
 
-def _all_reduced(count: Tensor, group) -> Tensor:
-    count = count.detach().clone()
-    dist.all_reduce(count, group=group)
-    return count
-
-
 def ttt_loss_cp(draft: TappedDraft, steps: TTTSteps, layout: ZigzagLayout, *, rank: int,
                 group: dist.ProcessGroup | None = None, count_group="cp",
                 **loss_kwargs) -> tuple[Tensor, dict]:
@@ -54,7 +49,7 @@ def ttt_loss_cp(draft: TappedDraft, steps: TTTSteps, layout: ZigzagLayout, *, ra
     attention = functools.partial(ring_trunk_branch_attention, group=group)
     counts = group if count_group == "cp" else count_group
     return ttt_loss_on_steps(draft, local, layout.local_cu_seqlens(), attention=attention,
-                             total_count=functools.partial(_all_reduced, group=counts), **loss_kwargs)
+                             total_count=functools.partial(all_reduce_sum, group=counts), **loss_kwargs)
 
 
 def all_reduce_grads(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:

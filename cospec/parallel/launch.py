@@ -23,6 +23,13 @@ def default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def backend_device(group=None) -> torch.device:
+    """Where ``group``'s backend reads tensors: NCCL moves CUDA tensors only, gloo CPU ones."""
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def init_from_env(timeout_s: float = 300.0, backend: str | None = None) -> tuple[int, int]:
     """Join the group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT); (rank, size)."""
     dist.init_process_group(backend or default_backend(), timeout=timedelta(seconds=timeout_s))

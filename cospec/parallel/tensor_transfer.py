@@ -21,23 +21,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cospec.parallel.launch import backend_device
 from cospec.rollout.engine import Completion
 
 _FINISH = {None: 0, "eos": 1, "length": 2}
 _FINISH_NAMES = {v: k for k, v in _FINISH.items()}
 
 
-def _device(group) -> torch.device:
-    """Where the group's backend wants tensors: NCCL moves CUDA tensors only."""
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
 def broadcast_rollouts(payload, *, src: int, group=None):
     """``payload`` = (completions, advantages [R], rewards [R], first) on rank ``src``, None
     elsewhere; returns it on every rank of ``group`` (completions rebuilt as `Completion`s)."""
-    device = _device(group)
+    device = backend_device(group)
     header = torch.zeros(2, dtype=torch.long, device=device)
     if payload is not None:
         completions, advantages, rewards, first = payload
@@ -79,7 +73,7 @@ def broadcast_draft_metrics(metrics: dict, *, src: int, ttt_steps: int, group=No
     """`cotrain_draft`'s metrics (``draft_loss``, ``draft_acceptance_tf`` per TTT step,
     ``draft_nonfinite_skipped``; or {} on a step without co-training) from rank ``src`` to every
     rank: one float64 tensor [present, loss, skipped, acceptance...] and one host read."""
-    device = _device(group)
+    device = backend_device(group)
     buf = torch.zeros(3 + ttt_steps, dtype=torch.float64)
     if dist.get_rank() == src and metrics:
         acceptance = list(metrics["draft_acceptance_tf"])
@@ -124,7 +118,7 @@ class StateDictSender:
         if not self.manifest_sent:  # once: the names, shapes and dtypes
             dist.send_object_list([_manifest(state)], dst=self.dst, group=self.group)
             self.manifest_sent = True
-        for flat in _flat_by_dtype(state, _device(self.group)):
+        for flat in _flat_by_dtype(state, backend_device(self.group)):
             dist.send(flat, self.dst, group=self.group)
 
 
@@ -140,7 +134,7 @@ class StateDictReceiver:
             box = [None]
             dist.recv_object_list(box, src=self.src, group=self.group)
             self.manifest = box[0]
-        device = _device(self.group)
+        device = backend_device(self.group)
         by: dict[str, list[tuple[str, tuple]]] = {}
         for name, shape, dtype in self.manifest:
             by.setdefault(f"torch.{dtype}", []).append((name, shape))

@@ -38,15 +38,23 @@ LATEST = "latest"
 PREFIX = "step_"
 
 
-def staging_dir(root: str | Path, step: int) -> Path:
-    """The temporary directory checkpoint ``step`` is assembled in before its rename (a fixed name,
-    so that every rank of a distributed run writes its shards into the same one), emptied of
-    earlier attempts; stale temporary directories are removed."""
-    root = Path(root)
+def staging_path(root: str | Path, step: int) -> Path:
+    """Where checkpoint ``step`` is assembled before its rename: a fixed name, so that every rank of
+    a distributed run writes its shards into the same directory (`staging_dir` makes it)."""
+    return Path(root) / f".tmp-{PREFIX}{step:06d}"
+
+
+def _clear_stale(root: Path) -> None:
+    """Make ``root`` and remove the temporary directories of earlier, unfinished saves."""
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(".tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = root / f".tmp-{PREFIX}{step:06d}"
+
+
+def staging_dir(root: str | Path, step: int) -> Path:
+    """`staging_path`, made empty (stale temporary directories are removed first)."""
+    _clear_stale(Path(root))
+    tmp = staging_path(root, step)
     tmp.mkdir()
     return tmp
 
@@ -57,9 +65,7 @@ def save_checkpoint(root: str | Path, step: int, *, policy, trainer_state: dict,
     ``staged``: a `staging_dir` other ranks have already written their shards into."""
     root = Path(root)
     if staged is None:
-        root.mkdir(parents=True, exist_ok=True)
-        for stale in root.glob(".tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        _clear_stale(root)
     tmp = staged or Path(tempfile.mkdtemp(dir=root, prefix=".tmp-"))
     name = f"{PREFIX}{step:06d}"
     try:

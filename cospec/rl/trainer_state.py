@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from cospec.models.integrity import NonFiniteError, nonfinite_names
-from cospec.rl.checkpoint import as_tuples, copy_weights, save_checkpoint, staging_dir
+from cospec.rl.checkpoint import (as_tuples, copy_weights, save_checkpoint, staging_dir,
+                                 staging_path)
 
 
 def _sharded(trainer) -> bool:
@@ -97,7 +98,7 @@ def save_trainer(trainer) -> None:
     if _sharded(trainer):
         import torch.distributed.checkpoint as dcp
 
-        staged = root / f".tmp-step_{trainer.step:06d}"
+        staged = staging_path(root, trainer.step)
         if trainer.is_lead:
             staging_dir(root, trainer.step)
         dist.barrier()  # the staging directory exists before any rank writes into it
