@@ -192,16 +192,21 @@ def test_a_distributed_run_resumes_bit_identically(tmp_path, layout, ranks):
         assert all(torch.equal(whole[part][k], v) for k, v in resumed[part].items()), part
 
 
-def _one_replica_dies(rank, num_ranks, out_dir):
-    """Replica 1 vanishes (its process exits) before the first step; replica 0 starts it."""
-    import os
-
+def _dp2_trainer(rank, num_ranks, out_dir) -> GRPOTrainer:
+    """This rank's trainer of the dp2 layout (co-training on)."""
     from cospec.parallel.train_group import make_train_group
 
     cfg = _cfg(out_dir, *LAYOUTS["dp2"])
     policy, draft = _models(cfg)
-    trainer = GRPOTrainer(cfg, policy, draft=draft, tensorboard=False,
-                          group=make_train_group(cfg.parallel, rank, num_ranks))
+    return GRPOTrainer(cfg, policy, draft=draft, tensorboard=False,
+                       group=make_train_group(cfg.parallel, rank, num_ranks))
+
+
+def _one_replica_dies(rank, num_ranks, out_dir):
+    """Replica 1 vanishes (its process exits) before the first step; replica 0 starts it."""
+    import os
+
+    trainer = _dp2_trainer(rank, num_ranks, out_dir)
     if rank == 1:
         os._exit(0)  # no exception, no goodbye: a killed process
     trainer.run_step()
@@ -215,3 +220,27 @@ def test_a_dead_replica_fails_the_run_instead_of_hanging_it(tmp_path):
     with pytest.raises(torch.multiprocessing.ProcessRaisedException,
                        match="Connection closed by peer|timed out|Timeout"):
         spawn(_one_replica_dies, 2, str(tmp_path), timeout_s=20, deadline_s=120)
+
+
+def _nan_in_one_shard(rank, num_ranks, out_dir):
+    """dp = 2, co-training: a NaN written into rank 1's shard of the draft only."""
+    from cospec.models.integrity import NonFiniteError
+
+    trainer = _dp2_trainer(rank, num_ranks, out_dir)
+    if rank == 1:
+        with torch.no_grad():
+            next(trainer.draft.parameters()).to_local().view(-1)[0] = float("nan")
+    try:
+        trainer.sync_weights()
+    except NonFiniteError as e:
+        return str(e)
+    return "synced"
+
+
+@pytest.mark.slow
+def test_a_nan_in_one_shard_of_the_draft_stops_every_replica_before_the_sync(tmp_path):
+    """The sharded draft is checked shard by shard and the verdict summed: both replicas refuse to
+    sync, the one without the NaN too (no replica's engine gets the draft)."""
+    errors = spawn(_nan_in_one_shard, 2, str(tmp_path), timeout_s=60)
+    assert all("non-finite weights" in e for e in errors), errors
+    assert "a shard on another rank" in errors[0] and "a shard on another rank" not in errors[1]

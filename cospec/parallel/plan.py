@@ -185,12 +185,11 @@ def _stage_comm(run: _Run, s: int) -> dict:
         comm["fsdp_all_gather"] = gathered * (passes + 1)  # + the weight sync
         comm["fsdp_reduce_scatter"] = gathered * g.micro_steps
         if last and run.cotrained_draft:
-            # the sharded draft: gathered for each update's forward and backward, and twice at
-            # the sync (its finiteness check reads it whole, then the push), its gradients
-            # reduce-scattered after each update (one per minibatch)
+            # the sharded draft: gathered for each update's forward and backward, and for the
+            # sync, its gradients reduce-scattered after each update (one per minibatch)
             updates = run.cfg.draft.cotrain_iters * g.micro_steps
             draft_gathered = _count(run.draft) * (shard - 1) / shard * FP32
-            comm["fsdp_all_gather"] += draft_gathered * (2 * updates + 2)
+            comm["fsdp_all_gather"] += draft_gathered * (2 * updates + 1)
             comm["fsdp_reduce_scatter"] += draft_gathered * updates
     step_tokens = run.minibatch_tokens * g.micro_steps / p.dp / p.cp
     if p.pp > 1:  # per token: the policy's and the reference's activations in, gradients back

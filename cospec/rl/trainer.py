@@ -40,7 +40,7 @@ from cospec.metrics.progress import progress_bar
 from cospec.metrics.run_log import RunLog
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.models.loading import inference_copy
-from cospec.parallel.data_parallel import full_tensor
+from cospec.parallel.data_parallel import all_reduce_sum, local_tensor
 from cospec.parallel.tensor_transfer import broadcast_draft_metrics, broadcast_rollouts
 from cospec.rl import grpo
 from cospec.rl.checkpoint import check_resumable, latest_checkpoint, load_latest_good
@@ -257,13 +257,23 @@ class GRPOTrainer:
             self.weight_sync.push(self.policy)
         if self.draft_sync is not None and self.cfg.draft.mode != "frozen":
             if self.owns_draft:  # a draft with a NaN would stop the next rollout: say so now
-                # (whole tensors: a collective among the draft's trainers when it is sharded)
-                bad = nonfinite_names({k: full_tensor(v) for k, v in self.draft.state_dict().items()})
+                bad = self._draft_nonfinite()
                 if bad:
                     raise NonFiniteError(f"GRPO step {self.step + 1}: the co-trained draft has "
                                          f"non-finite weights ({', '.join(bad[:3])}); it is not "
                                          f"synced to the rollout engine")
             self.draft_sync.push(self.draft)
+
+    def _draft_nonfinite(self) -> list[str]:
+        """Names of the trained draft's non-finite tensors. A sharded draft (dp) is checked where
+        its shards live and the verdict summed over its trainers: a count, not a gather of the
+        draft (the sync that follows gathers it once)."""
+        bad = nonfinite_names({k: local_tensor(v) for k, v in self.draft.state_dict().items()})
+        if self.group is not None and self.group.dp > 1:
+            trainers = self.group.stage_group if self.group.pp > 1 else None  # None: the world
+            if all_reduce_sum(torch.tensor(float(len(bad))), trainers) and not bad:
+                bad = ["a shard on another rank"]
+        return bad
 
     # ------------------------------------------------------------------------- run, save, resume
 
