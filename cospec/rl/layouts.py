@@ -91,16 +91,15 @@ def _data_parallel(cfg: RunConfig, policy, group, draft, rollout_policy,
         step = DataParallelPolicyStep(trained, reference, optimizer, group=None,
                                       autocast=g.autocast, **_loss_kwargs(cfg))
         draft_loss = DataParallelDraftLoss(group=None)
+    reduce_draft_grads = draft_loss.reduce_grads
+    draft_sync = InProcessWeightSync(rollout_draft) if rollout_draft is not None else None
+    if draft is not None and cfg.draft.mode == "cotrain":  # sharded: FSDP2 sums its gradients
+        draft_loss, reduce_draft_grads = shard_draft(draft, draft_loss, mesh), None
+        draft_sync = ShardedWeightSync(rollout_draft)
     # every rank takes part in the all-gathers; the replica's generating rank keeps the weights
-    layout = PolicyLayout(trained, reference, optimizer, step,
-                          weight_sync=ShardedWeightSync(rollout_policy),
-                          draft_sync=(InProcessWeightSync(rollout_draft)
-                                      if rollout_draft is not None else None),
-                          draft_loss=draft_loss, reduce_draft_grads=draft_loss.reduce_grads)
-    if draft is not None and cfg.draft.mode == "cotrain":
-        layout.draft_loss, layout.reduce_draft_grads = shard_draft(draft, draft_loss, mesh), None
-        layout.draft_sync = ShardedWeightSync(rollout_draft)
-    return layout
+    return PolicyLayout(trained, reference, optimizer, step,
+                        weight_sync=ShardedWeightSync(rollout_policy), draft_sync=draft_sync,
+                        draft_loss=draft_loss, reduce_draft_grads=reduce_draft_grads)
 
 
 def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_draft) -> PolicyLayout:
