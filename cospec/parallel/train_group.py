@@ -12,8 +12,8 @@ is the pp x cp ranks of one dp_rank. Roles:
 - the first rank of every replica *generates*: it owns a rollout engine (a full copy of the policy
   and of the draft), generates its replica's share of the step's prompt groups (a group never
   straddles replicas), scores them and computes their advantages. Under cp or pp its rollouts
-  reach the replica's other ranks as tensors (`cospec.parallel.tensor_transfer`). (A real deployment puts the engine
-  on its own devices; the `WeightSync` seam is where it plugs in.)
+  reach the replica's other ranks as tensors (`cospec.parallel.tensor_transfer`). (A real
+  deployment puts the engine on its own devices; the `WeightSync` seam is where it plugs in.)
   Why one rank of a replica and not all of them: the engine decodes with the whole policy, which
   under pp or cp no single rank of the replica holds; running it on every rank would need a
   pipelined or context-parallel *decoder* (each token a trip through every stage: latency-bound at
@@ -35,8 +35,8 @@ is the pp x cp ranks of one dp_rank. Roles:
   inside the stage's cp group); the pipeline and TapChannel run per cp column (cp rank c of every
   stage); the last stage's cp ranks co-train the draft on zigzag shards.
 Checkpoints hold the full policy (rank 0's synced copy) and every rank's optimizer state (under
-dp the full, unsharded one), so a run resumes with the same parallel layout (the resume check
-compares the whole config).
+dp every rank's shards, through `torch.distributed.checkpoint`: `cospec.rl.trainer_state`), so a
+run resumes with the same parallel layout (the resume check compares the whole config).
 """
 
 from __future__ import annotations
