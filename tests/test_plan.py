@@ -220,9 +220,9 @@ def test_the_engine_memory_is_what_a_speculative_engine_allocates():
                                gamma=cfg.rollout.gamma)
     measured = {"engine_policy": _local_bytes(policy.parameters()),
                 "engine_draft": _local_bytes(draft.parameters()),
-                "engine_kv_cache": _local_bytes([engine.cache.k_LBHSD, engine.cache.v_LBHSD]),
-                "engine_draft_kv_cache": _local_bytes([engine.draft_cache.k_LBHSD,
-                                                       engine.draft_cache.v_LBHSD]),
+                "engine_kv_cache": _local_bytes(engine.cache.keys + engine.cache.values),
+                "engine_draft_kv_cache": _local_bytes(engine.draft_cache.keys
+                                                       + engine.draft_cache.values),
                 "engine_feature_history": _local_bytes([engine.feat_BSF])}
     planned = plan(cfg)[0].memory
     for part, value in measured.items():

@@ -108,3 +108,27 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> 
 
 
 AttentionCallable = Callable[[Tensor, Tensor, Tensor, AttentionLayout], Tensor]
+
+
+def matmul_cache_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> Tensor:
+    """Masked attention written as two matmuls and a softmax (same result as `sdpa_attention` for
+    a mask layout): softmax(q k^T / sqrt(D) + mask) v, Vaswani et al. 1706.03762 eq. 1.
+
+    For the compiled decode and verification forwards (`cospec.rollout.compiled_forward`): with
+    a handful of query tokens against a few hundred cache slots, CPU SDPA's masked kernel costs
+    more per call than the arithmetic, while these plain ops fuse under `torch.compile`. The
+    queries of the G = H / Hkv heads that share a key/value head are stacked along the token axis,
+    so K and V are read once per key/value head (no repeat). Scores and softmax in fp32.
+    """
+    if layout.mask is None:
+        raise ValueError("matmul_cache_attention serves mask layouts (KV-cache forwards) only")
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    G = H // Hkv
+    q_BKMD = q.reshape(B, Hkv, G * T, D)  # heads h = kv * G + g, as SDPA's enable_gqa groups them
+    scores = torch.matmul(q_BKMD.float(), k.float().transpose(-1, -2)) / (D ** 0.5)
+    visible = layout.mask[:, :, None].expand(-1, -1, G, -1, -1).reshape(
+        layout.mask.shape[0], 1, G * T, -1)  # [B, 1, G*T, S]: the same mask for every head
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v)  # [B, Hkv, G*T, D]
+    return out.reshape(B, H, T, D)

@@ -46,7 +46,7 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
                 engine.cache.reset()
                 engine.cache.advance(context)
                 t0 = synced_time(engine.seq_BS)
-                logits = score_tokens(engine.model, engine.cache, torch.full((N, T), 4, device=device),
+                logits = score_tokens(engine.forward, engine.cache, torch.full((N, T), 4, device=device),
                                       rows_t).logits
                 # What a step does with the logits, roughly: warp and draw at all N * T positions,
                 # then the host reads the results (the step's sync).

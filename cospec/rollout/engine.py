@@ -47,6 +47,7 @@ from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS, PAD
 from cospec.metrics.progress import progress_bar
 from cospec.models.integrity import NonFiniteError
+from cospec.rollout.compiled_forward import CompiledCacheForward
 from cospec.rollout.host_memory import keep_freed_host_memory
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.prompt_streams import PromptStreams
@@ -187,10 +188,14 @@ class GenerationEngine:
     the engine and is not read here.
     spare_slots: cache slots beyond the capacity, for forwards that write tokens a step may roll
         back (speculative verification); sequences never grow past ``capacity``.
+    compile: run the policy's whole-batch decode (and, speculative, verification) forwards as
+        `torch.compile` graphs (`CompiledCacheForward`); prefills and a run's tail stay eager.
+        The first forward of each new shape compiles (seconds); outputs match eager to rounding.
     """
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int | None = None,
-                 stop_ids: Collection[int] | None = (EOS,), spare_slots: int = 0):
+                 stop_ids: Collection[int] | None = (EOS,), spare_slots: int = 0,
+                 compile: bool = False):
         model_len = model.config.max_seq_len
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -203,6 +208,8 @@ class GenerationEngine:
         self.stop_ids = frozenset(stop_ids or ())
         self.max_seq_len = max_seq_len or model_len
         self.cache = KVCache.for_model(model, batch_size, self.max_seq_len + spare_slots)
+        # What the per-step forwards call: the policy itself, or its compiled whole-cache forward
+        self.forward = CompiledCacheForward(model, self.cache) if compile else model
 
     @property
     def capacity(self) -> int:
@@ -284,7 +291,7 @@ class GenerationEngine:
                 rows_N = torch.tensor(free, device=device)
                 bind_streams(generator, rows_N, free, [slots[s].index for s in free])
                 self.cache.expect_longest(0)  # the rows are emptied first
-                logits_NV, _ = prefill_slots(self.model, self.cache, rows_N,
+                logits_NV, _ = prefill_slots(self.forward, self.cache, rows_N,
                                              [slots[s].prompt for s in free])
                 self.num_forwards += 1
                 ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
@@ -301,7 +308,7 @@ class GenerationEngine:
             # a row's cache holds its prompt and every response token but the last sampled one
             self.cache.expect_longest(max(len(slots[s].prompt) + len(slots[s].tokens) - 1
                                           for s in active))
-            logits_NV = decode_step(self.model, self.cache, last_N, rows_N)
+            logits_NV = decode_step(self.forward, self.cache, last_N, rows_N)
             self.num_forwards += 1
             bind_streams(generator, rows_N)
             ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)

@@ -2,8 +2,11 @@
 
 # L layers, B rows, Hkv key/value heads, S capacity (slots), D head dim, T new tokens
 
-Buffers are allocated once (``k_LBHSD``, ``v_LBHSD``) and registered, so ``.to(device)`` moves them
-and no step allocates. ``lengths_B[b]`` is the number of valid slots of row b; slots past it hold
+Buffers are allocated once, one key and one value tensor [B, Hkv, S, D] per layer (``keys[i]``,
+``values[i]``), and registered, so ``.to(device)`` moves them and no step allocates. One tensor per
+layer rather than one [L, B, Hkv, S, D] block: a compiled forward (`cospec.rollout.compiled_forward`)
+that writes a slice of one shared block copies the whole block per layer (measured 3x slower than
+eager on the default policy), while a write into a layer's own tensor stays in place. ``lengths_B[b]`` is the number of valid slots of row b; slots past it hold
 stale values that the attention mask hides, so rolling a row back (speculative rejection) is just
 lowering its length: `truncate`.
 
@@ -35,9 +38,13 @@ class KVCache(nn.Module):
         ids = list(range(num_layers)) if layer_ids is None else list(layer_ids)
         assert len(ids) == num_layers, "layer_ids must name one id per cached layer"
         self.slot_of_layer = {lid: i for i, lid in enumerate(ids)}
-        shape = (num_layers, batch_size, num_kv_heads, capacity, head_dim)
-        self.register_buffer("k_LBHSD", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("v_LBHSD", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        shape = (batch_size, num_kv_heads, capacity, head_dim)
+        for i in range(num_layers):
+            self.register_buffer(f"k_{i}", torch.zeros(shape, dtype=dtype, device=device),
+                                 persistent=False)
+            self.register_buffer(f"v_{i}", torch.zeros(shape, dtype=dtype, device=device),
+                                 persistent=False)
+        self.num_layers = num_layers
         self.register_buffer("lengths_B", torch.zeros(batch_size, dtype=torch.long, device=device),
                              persistent=False)
         self._longest_hint: int | None = None  # see `expect_longest`
@@ -50,6 +57,15 @@ class KVCache(nn.Module):
                    num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                    capacity=capacity or cfg.max_seq_len,
                    layer_ids=[int(i) for i in model.layers.keys()], dtype=p.dtype, device=p.device)
+
+    @property
+    def keys(self) -> list[Tensor]:
+        """[B, Hkv, S, D] per cached layer, in buffer order (`slot_of_layer`)."""
+        return [getattr(self, f"k_{i}") for i in range(self.num_layers)]
+
+    @property
+    def values(self) -> list[Tensor]:
+        return [getattr(self, f"v_{i}") for i in range(self.num_layers)]
 
     def _rows(self, rows: Tensor | None) -> Tensor:
         if rows is None:
@@ -77,15 +93,16 @@ class KVCache(nn.Module):
                used: int) -> tuple[Tensor, Tensor]:
         """Write the new keys/values of `rows` and return their cache view [B, Hkv, used, D]."""
         slot = self.slot_of_layer[layer_id]
+        k_BHSD, v_BHSD = getattr(self, f"k_{slot}"), getattr(self, f"v_{slot}")
         num_new = k_BHTD.shape[2]
         r = self._rows(rows)
         pos_BT = self.lengths_B[r][:, None] + torch.arange(num_new, device=r.device)[None, :]
         # Advanced indexing on (row, slot) puts those dims first: the value is [B, T, Hkv, D].
-        self.k_LBHSD[slot, r[:, None], :, pos_BT] = k_BHTD.transpose(1, 2).to(self.k_LBHSD.dtype)
-        self.v_LBHSD[slot, r[:, None], :, pos_BT] = v_BHTD.transpose(1, 2).to(self.v_LBHSD.dtype)
+        k_BHSD[r[:, None], :, pos_BT] = k_BHTD.transpose(1, 2).to(k_BHSD.dtype)
+        v_BHSD[r[:, None], :, pos_BT] = v_BHTD.transpose(1, 2).to(v_BHSD.dtype)
         if rows is None:  # a view, no copy: the decode hot path
-            return self.k_LBHSD[slot, :, :, :used], self.v_LBHSD[slot, :, :, :used]
-        return self.k_LBHSD[slot, r, :, :used], self.v_LBHSD[slot, r, :, :used]
+            return k_BHSD[:, :, :used], v_BHSD[:, :, :used]
+        return k_BHSD[r, :, :used], v_BHSD[r, :, :used]
 
     def advance(self, num_valid_B: Tensor | int, rows: Tensor | None = None) -> None:
         r = self._rows(rows)

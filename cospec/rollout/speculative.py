@@ -70,17 +70,19 @@ class SpeculativeEngine(GenerationEngine):
         every this many drafting steps: they read q and p over the whole vocabulary, 3 passes
         over [N, G, V] floats, which at batch 64 and a 49K vocabulary is most of a step's
         sampling work.
+    compile: as `GenerationEngine`'s; the verification forwards are the compiled ones (one
+        graph per verify length), the draft's forwards stay eager.
     """
 
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
                  max_seq_len: int | None = None, stop_ids: Collection[int] | None = (EOS,),
                  controller: AdaptiveGamma | None = None, probe_every: int = 16,
-                 overshoot_every: int = 1):
+                 overshoot_every: int = 1, compile: bool = False):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
         # Spare slots: room for the G+1 tokens a verify writes past the committed length.
         super().__init__(model, batch_size=batch_size, max_seq_len=max_seq_len, stop_ids=stop_ids,
-                         spare_slots=gamma)
+                         spare_slots=gamma, compile=compile)
         self.drafter = make_drafter(draft, model.config)
         # The policy ids of a reduced draft head's columns (None: the head covers the vocabulary)
         self.draft_vocab_ids = ids = getattr(self.drafter, "vocab_ids", None)
@@ -181,7 +183,7 @@ class SpeculativeEngine(GenerationEngine):
         rows_N = torch.tensor(free, device=device)
         bind_streams(generator, rows_N, free, indices)
         self.cache.expect_longest(0)  # the rows are emptied first
-        logits_NV, out = prefill_slots(self.model, self.cache, rows_N,
+        logits_NV, out = prefill_slots(self.forward, self.cache, rows_N,
                                        [self.slots[s].prompt for s in free],
                                        tap_layers=self.drafter.tap_layers)
         ids_N, logprobs_N = sample_tokens(logits_NV, sampling, generator)
@@ -216,7 +218,7 @@ class SpeculativeEngine(GenerationEngine):
         pending_N = self.seq_BS[rows_N, n_N]
         tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
         self.cache.expect_longest(max(self.n[s] for s in active))
-        out = score_tokens(self.model, self.cache, tokens_NT, rows_t,
+        out = score_tokens(self.forward, self.cache, tokens_NT, rows_t,
                            tap_layers=self.drafter.tap_layers)
         t2 = synced_time(self.seq_BS)
         N, T = out.logits.shape[:2]

@@ -1,0 +1,124 @@
+"""Compiled decode and verification forwards for the rollout engines (``rollout.compile``).
+
+# B cache rows, T new tokens per row, S cache slots, V vocab
+
+A small policy's decode step is bound by per-op overhead, not by arithmetic: on this CPU a batch-16
+decode of the 4M-parameter default costs milliseconds for a tenth of a GFLOP. `torch.compile`
+(inductor: C++/OpenMP on CPU, Triton on CUDA) fuses the step's elementwise work and calls far
+fewer kernels, but only where the compiled region has static shapes and no host integers. The
+eager cache forward has neither: its attention covers the first ``used`` slots, a host integer that
+grows every step (`KVCache.check_room`), so a plain ``torch.compile(policy)`` would recompile for
+every new length.
+
+Here the same `Transformer.forward` runs over `SpanCacheView`, whose attention covers a fixed
+*span* of slots under the per-row length mask (the static-cache decoding of gpt-fast): the span is
+the longest row's length rounded up to a bucket (64, 128, 256, ... up to S), so one graph per
+(B, T, tap layers, span bucket) serves every step of a run, and the host integer it needs comes
+from what the engine already knows (`KVCache.expect_longest`), not from the device. Attention runs
+as `matmul_cache_attention`, which fuses where SDPA's masked CPU kernel does not.
+
+Only forwards that address every row in order go through a compiled graph (a full batch's
+decode and verification, the bulk of a run's steps). A prefill (ragged prompts, a subset of
+rows, logits at one position) and the tail of a run (fewer active rows than slots, a new shape per
+count) run eagerly: compiling them would compile a graph per prompt length or per row count.
+Outputs agree with eager to float rounding (a different summation order), so greedy tokens are
+the same unless two logits tie to ~1e-6; sampling stays exact for the logits computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, nn
+
+from cospec.models.attention import matmul_cache_attention
+from cospec.models.llama import ModelOutput
+from cospec.rollout.kv_cache import KVCache
+
+SMALLEST_SPAN = 64
+
+
+def span_buckets(num_slots: int) -> list[int]:
+    """The spans a compiled forward may attend over: powers of two from SMALLEST_SPAN, then S."""
+    spans, s = [], SMALLEST_SPAN
+    while s < num_slots:
+        spans.append(s)
+        s *= 2
+    return spans + [num_slots]
+
+
+class SpanCacheView:
+    """A `KVCache` as a compiled forward sees it: attention covers the first `span` slots (a
+    constant of the graph; the length mask hides the stale ones), whatever the rows' lengths."""
+
+    def __init__(self, cache: KVCache, span: int):
+        self.cache, self.span = cache, span
+        self.lengths_B = cache.lengths_B
+
+    def check_room(self, num_new: int, rows: Tensor | None = None) -> int:
+        return self.span
+
+    def update(self, layer_id: int, k_BHTD: Tensor, v_BHTD: Tensor, rows: Tensor | None,
+               used: int) -> tuple[Tensor, Tensor]:
+        return self.cache.update(layer_id, k_BHTD, v_BHTD, rows, used)
+
+    def advance(self, num_valid_B: Tensor | int, rows: Tensor | None = None) -> None:
+        self.cache.advance(num_valid_B, rows)
+
+
+class CompiledCacheForward:
+    """Calls like the policy does in `cospec.rollout.engine.score_tokens`; a whole-cache forward
+    runs as a compiled graph, anything else eagerly on the same module (same weights: a weight
+    sync that copies into the module in place reaches both).
+
+    model: the engine's policy (a `Transformer`); cache: the engine's `KVCache` for it.
+    mode: `torch.compile`'s mode ("default"; "reduce-overhead" adds CUDA graphs on CUDA).
+    compiled_calls_by_span / num_eager_calls count the forwards each way (tests and benchmarks
+    read them).
+    """
+
+    def __init__(self, model: nn.Module, cache: KVCache, *, mode: str = "default"):
+        self.model, self.cache = model, cache
+        self.config = model.config
+        self.spans = span_buckets(cache.capacity)
+        # Dynamo keeps at most `recompile_limit` graphs per function and then falls back to eager
+        # silently; an engine needs one per (T, taps, span): T runs 1..gamma+1 under adaptive
+        # speculation, and there are len(self.spans) spans.
+        limit = 8 * len(self.spans) * 2
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        self._compiled = torch.compile(self._span_forward, fullgraph=True, dynamic=False, mode=mode)
+        self.compiled_calls_by_span = dict.fromkeys(self.spans, 0)
+        self.num_eager_calls = 0
+
+    @property
+    def num_compiled_calls(self) -> int:
+        return sum(self.compiled_calls_by_span.values())
+
+    def _span_forward(self, tokens_BT: Tensor, tap_layers: tuple[int, ...], span: int):
+        out = self.model(tokens_BT, kv_cache=SpanCacheView(self.cache, span),
+                         tap_layers=tap_layers, attn_fn=matmul_cache_attention)
+        return out.logits, out.hidden, tuple(out.taps[i] for i in tap_layers)
+
+    def span_for(self, longest: int) -> int:
+        """The smallest bucket that holds `longest` slots."""
+        return next(s for s in self.spans if s >= longest)
+
+    def __call__(self, tokens_BT: Tensor, *, kv_cache=None, cache_rows: Tensor | None = None,
+                 num_valid_B: Tensor | None = None, tap_layers: Sequence[int] = (),
+                 logits_positions_B: Tensor | None = None) -> ModelOutput:
+        whole = (kv_cache is self.cache and cache_rows is None and num_valid_B is None
+                 and logits_positions_B is None and tokens_BT.shape[0] == self.cache.batch_size)
+        if not whole:
+            self.num_eager_calls += 1
+            return self.model(tokens_BT, kv_cache=kv_cache, cache_rows=cache_rows,
+                              num_valid_B=num_valid_B, tap_layers=tap_layers,
+                              logits_positions_B=logits_positions_B)
+        # The overflow check and the span the graph cannot compute: on the host, from
+        # `expect_longest` when the engine gave it (else one device read, as the eager forward).
+        longest = kv_cache.check_room(tokens_BT.shape[1])
+        taps = tuple(int(i) for i in tap_layers)
+        span = self.span_for(longest)
+        logits, hidden, tapped = self._compiled(tokens_BT, taps, span)
+        self.compiled_calls_by_span[span] += 1
+        return ModelOutput(logits=logits, hidden=hidden, taps=dict(zip(taps, tapped)))
