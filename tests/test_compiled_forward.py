@@ -15,6 +15,7 @@ import torch
 
 from cospec.config import SamplingConfig
 from cospec.models.attention import AttentionLayout, cache_mask, matmul_cache_attention, sdpa_attention
+from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 from cospec.rollout.compiled_forward import CompiledCacheForward, span_buckets
 from cospec.rollout.engine import GenerationEngine
@@ -51,7 +52,7 @@ def run_both(make_engine, prompts, sampling, seed=0):
     eager, compiled = make_engine(False), make_engine(True)
     results = [e.generate(prompts, sampling, generator=torch.Generator().manual_seed(seed))
                for e in (eager, compiled)]
-    return results, compiled.forward
+    return results, compiled
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -59,9 +60,10 @@ def test_compiled_plain_decoding_emits_the_eager_engines_tokens(policy, temperat
     prompts = make_prompts(PROMPT_LENGTHS)
     sampling = SamplingConfig(temperature=temperature, max_new_tokens=CAPACITY)
     # 3 slots for 7 prompts and no EOS: refills, a tail, and rows that reach the capacity
-    (eager, compiled), forward = run_both(
+    (eager, compiled), engine = run_both(
         lambda c: GenerationEngine(policy, batch_size=3, max_seq_len=CAPACITY, stop_ids=None,
                                    compile=c), prompts, sampling)
+    forward = engine.forward
     for a, b in zip(eager.completions, compiled.completions):
         assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), f"prompt {a.index}"
         torch.testing.assert_close(b.logprobs, a.logprobs, atol=1e-4, rtol=0)
@@ -71,19 +73,23 @@ def test_compiled_plain_decoding_emits_the_eager_engines_tokens(policy, temperat
     assert forward.num_eager_calls > len(prompts) - 3
 
 
-def test_compiled_speculative_verification_emits_the_eager_engines_tokens(policy):
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_compiled_speculation_emits_the_eager_engines_tokens(policy, kind):
     torch.manual_seed(1)
-    draft = Eagle3Draft.from_policy(policy).eval()
+    draft = (Eagle3Draft if kind == "eagle3" else BlockDraft).from_policy(policy).eval()
     prompts = make_prompts(PROMPT_LENGTHS)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=CAPACITY)
-    (eager, compiled), forward = run_both(
+    (eager, compiled), compiled_engine = run_both(
         lambda c: SpeculativeEngine(policy, draft, batch_size=3, gamma=2, max_seq_len=CAPACITY,
                                     stop_ids=None, compile=c),
         prompts, sampling)
+    forward = compiled_engine.forward
     for a, b in zip(eager.completions, compiled.completions):
         assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), f"prompt {a.index}"
     assert compiled.stats.acceptance_by_position == eager.stats.acceptance_by_position
-    assert forward.num_compiled_calls > 0
+    assert forward.num_compiled_calls > 0  # verification
+    if kind == "eagle3":  # and the draft's one-token steps (a block draft's stay eager)
+        assert compiled_engine.drafter.forward.num_compiled_calls > 0
 
 
 # Adaptive picks gamma from timings, which compiling changes (so sampled runs draw differently);
@@ -100,3 +106,33 @@ def test_greedy_compiled_speculation_equals_greedy_plain_decoding(policy, adapti
     for a, b in zip(plain.generate(prompts, greedy).completions,
                     spec.generate(prompts, greedy).completions):
         assert b.tokens == a.tokens, f"prompt {a.index}"
+
+
+def test_rl_with_rollout_compile_decodes_with_the_updated_weights(tmp_path):
+    """``rollout.compile=true`` gives the trainer a compiled engine, and a policy update reaches
+    its graphs (the weight sync copies into the module they read): after a step, its greedy
+    rollouts are those of an eager engine on the updated policy."""
+    from cospec.config import resolve
+    from cospec.models.llama import Transformer
+    from cospec.rl.trainer import GRPOTrainer
+
+    cfg = resolve("tiny", overrides=[f"out_dir={tmp_path}", "grpo.prompts_per_step=2",
+                                     "grpo.group_size=2", "grpo.lr=3e-2", "rollout.compile=true"])
+    torch.manual_seed(0)
+    trainer = GRPOTrainer(cfg, Transformer(cfg.model), tensorboard=False)
+    assert isinstance(trainer.engine.forward, CompiledCacheForward)
+    prompts = [trainer.data.prompt_ids(trainer.data.source.sample(trainer.prompt_rng))
+               for _ in range(8)]
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=16)
+    before = trainer.engine.generate(prompts, greedy).completions
+    batch = trainer.generate()
+    batch.rewards = torch.tensor([1.0, 0.0, 0.0, 1.0])  # rigged, so the update moves the policy
+    trainer.compute_advantages(batch)
+    trainer.train_policy(batch)
+    trainer.sync_weights()
+    after = trainer.engine.generate(prompts, greedy).completions
+    eager = GenerationEngine(trainer.rollout_policy, batch_size=cfg.sampling.batch_size,
+                             stop_ids=trainer.data.tokenizer.stop_ids).generate(prompts, greedy)
+    assert [c.tokens for c in after] == [c.tokens for c in eager.completions]
+    assert [c.tokens for c in after] != [c.tokens for c in before], "the update changed nothing"
+    assert trainer.engine.forward.num_compiled_calls > 0

@@ -7,14 +7,14 @@ import argparse
 from cospec.config import ConfigError
 
 #: the benchmarks `cospec bench` runs
-BENCHMARKS = ("generation", "rollout", "cp", "pp", "train-step", "rollout-dp")
+BENCHMARKS = ("generation", "rollout", "compile", "cp", "pp", "train-step", "rollout-dp")
 
 
 def add_bench_arguments(b: argparse.ArgumentParser) -> None:
     """The options of `cospec bench` (each says which benchmarks read it)."""
     b.add_argument("--batch-sizes", help="comma-separated (default 1,4,16,64)")
     b.add_argument("--quick", action="store_true",
-                   help="generation/rollout: fewer prompts and repeats; cp: short lengths")
+                   help="generation/rollout/compile: fewer prompts and repeats; cp: short lengths")
     b.add_argument("--no-hf", action="store_true", help="rollout: skip HF assisted generation")
     b.add_argument("--workload", choices=["tasks", "long"], default="tasks",
                    help="rollout: the RL prompt mix, or long copy answers (24-40 tokens)")
@@ -47,6 +47,14 @@ def run_bench(args, resolve) -> int:
         rollout.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")], quick=args.quick,
                         json_path=args.json, hf=not args.no_hf, workload=args.workload,
                         reuse=args.reuse, drafts=drafts)
+        return 0
+    if args.what == "compile":
+        from cospec.bench import compile as compile_bench
+
+        cfg = resolve(switched_on=("rollout.speculative=true",))
+        sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")
+        compile_bench.run_cli(cfg, batch_sizes=[int(b) for b in sizes.split(",")],
+                              quick=args.quick, json_path=args.json, reuse=args.reuse)
         return 0
     if args.what == "generation":
         sizes = args.batch_sizes or ("1,16" if args.quick else "1,4,16,64")

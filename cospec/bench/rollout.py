@@ -41,6 +41,7 @@ from cospec.data.prompts import TaskData
 from cospec.data.tasks import Copy, encode_prompt
 from cospec.data.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
+from cospec.rollout.compiled_forward import compile_rollouts
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -91,12 +92,14 @@ class Timer:
 
 def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_size: int,
                      gamma: int, repeats: int, seed: int = 0, stop_ids=(EOS,),
-                     overshoot_every: int = 1) -> dict:
+                     overshoot_every: int = 1, compile: bool = False) -> dict:
+    """One row: plain, speculative and adaptive engines (all compiled with ``compile``)."""
     device = next(policy.parameters()).device
     controller = AdaptiveGamma(gamma)
-    spec = dict(batch_size=batch_size, gamma=gamma, stop_ids=stop_ids, overshoot_every=overshoot_every)
+    spec = dict(batch_size=batch_size, gamma=gamma, stop_ids=stop_ids, overshoot_every=overshoot_every,
+                compile=compile)
     engines = {
-        "plain": GenerationEngine(policy, batch_size=batch_size, stop_ids=stop_ids),
+        "plain": GenerationEngine(policy, batch_size=batch_size, stop_ids=stop_ids, compile=compile),
         "spec": SpeculativeEngine(policy, draft, **spec),
         "adaptive": SpeculativeEngine(policy, draft, controller=controller, **spec),
     }
@@ -215,10 +218,13 @@ class _BenchInputs:
         return task_prompts(self.cfg, n, seed, workload=self.workload, data=self.data)
 
     def bench(self, draft, prompts, *, batch_size: int, **kwargs) -> dict:
-        """`bench_batch_size` of the policy with ``draft`` at the run's sampling and gamma."""
+        """`bench_batch_size` of the policy with ``draft`` at the run's sampling, gamma and
+        ``rollout.compile``."""
         return bench_batch_size(self.policy, draft, prompts, self.sampling, batch_size=batch_size,
                                 gamma=self.gamma, repeats=self.repeats,
-                                stop_ids=self.data.tokenizer.stop_ids, **kwargs)
+                                stop_ids=self.data.tokenizer.stop_ids,
+                                compile=compile_rollouts(self.cfg.rollout.compile, self.device),
+                                **kwargs)
 
 
 def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str | None = None,
@@ -370,4 +376,5 @@ def _meta(run: _BenchInputs) -> dict:
             "sampling": config["sampling"],
             "torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads(), "device": str(run.device), "quick": run.quick,
+            "compile": compile_rollouts(run.cfg.rollout.compile, run.device),
             "workload": run.workload}

@@ -118,6 +118,10 @@ class RolloutConfig:
     #: the overshoot diagnostics (q above p on drafted tokens) sum every this many drafting steps
     #: (they read p and q over the whole vocabulary: costly at large batch and vocabulary)
     overshoot_every: int = 4
+    #: run the policy's whole-batch decode and verification forwards as torch.compile graphs
+    #: (`cospec.rollout.compiled_forward`; the first forward of each shape compiles, seconds
+    #: each). null: the measured default of the device (`compile_rollouts`)
+    compile: bool | None = None
 
     def __post_init__(self) -> None:
         _check(1 <= self.gamma <= 16, "rollout.gamma", f"must be in [1, 16], got {self.gamma}")

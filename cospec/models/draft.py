@@ -205,16 +205,18 @@ class Eagle3Draft(TappedDraft):
 
     def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
                 positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,
-                num_valid_B: Tensor | None = None) -> DraftOutput:
+                num_valid_B: Tensor | None = None,
+                attn_fn: AttentionCallable | None = None) -> DraftOutput:
         """One draft step for T entries per row (the same three uses as the policy's forward:
-        packed, KV-cache decoding with per-row lengths, several new entries per row)."""
+        packed, KV-cache decoding with per-row lengths, several new entries per row).
+        attn_fn: this call's attention (default the module's)."""
         if feat_BTC.shape[:2] != tokens_BT.shape or feat_BTC.shape[-1] != self.config.hidden_size:
             raise ValueError(f"draft feature must be [B, T, {self.config.hidden_size}] for tokens "
                              f"{tuple(tokens_BT.shape)}, got {tuple(feat_BTC.shape)}")
         emb = self.embed_tokens(tokens_BT)
         ctx, cos, sin = forward_context(self.config, emb, cu_seqlens=cu_seqlens,
                                         positions_BT=positions_BT, kv_cache=kv_cache,
-                                        cache_rows=cache_rows, attn_fn=self.attn_fn)
+                                        cache_rows=cache_rows, attn_fn=attn_fn or self.attn_fn)
         layer = self.layers["0"]
         q, k, v = layer.qkv(emb, feat_BTC, cos, sin)
         if kv_cache is not None:

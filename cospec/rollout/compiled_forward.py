@@ -15,12 +15,16 @@ Here the same `Transformer.forward` runs over `SpanCacheView`, whose attention c
 the longest row's length rounded up to a bucket (64, 128, 256, ... up to S), so one graph per
 (B, T, tap layers, span bucket) serves every step of a run, and the host integer it needs comes
 from what the engine already knows (`KVCache.expect_longest`), not from the device. Attention runs
-as `matmul_cache_attention`, which fuses where SDPA's masked CPU kernel does not.
+as `matmul_cache_attention`, which fuses where SDPA's masked CPU kernel does not (why both are
+exact: docs/design.md, "Compiled decoding over a static cache").
 
-Only forwards that address every row in order go through a compiled graph (a full batch's
-decode and verification, the bulk of a run's steps). A prefill (ragged prompts, a subset of
-rows, logits at one position) and the tail of a run (fewer active rows than slots, a new shape per
-count) run eagerly: compiling them would compile a graph per prompt length or per row count.
+Only forwards that address every row in order, each row writing all its new tokens, go through a
+compiled graph (a full batch's decode, verification and one-token draft steps, the bulk of a
+run's forwards). The rest runs eagerly: a draft's catch-up (rows write different counts of valid
+entries; compiled, a graph per width, it saved 10% of the drafting time at batch 1 for twice the
+graphs), a prefill (ragged prompts, a subset of rows, logits at one position), and the tail of a
+run (fewer active rows than slots: a graph per row count).
+
 Outputs agree with eager to float rounding (a different summation order), so greedy tokens are
 the same unless two logits tie to ~1e-6; sampling stays exact for the logits computed.
 """
@@ -33,10 +37,25 @@ import torch
 from torch import Tensor, nn
 
 from cospec.models.attention import matmul_cache_attention
-from cospec.models.llama import ModelOutput
+from cospec.models.draft import DraftOutput
+from cospec.models.llama import ModelOutput, Transformer
 from cospec.rollout.kv_cache import KVCache
 
 SMALLEST_SPAN = 64
+#: see `compile_rollouts`
+DEFAULT_ON_CPU = False
+
+
+def compile_rollouts(requested: bool | None, device: torch.device) -> bool:
+    """``rollout.compile``: what was asked, or when None the measured default of the device.
+
+    CPU: DEFAULT_ON_CPU, from `cospec bench compile` (docs/results/rollout.md, "Compiled
+    forwards"). CUDA: off, because no GPU run has measured it yet; set ``rollout.compile=true``
+    to try it there.
+    """
+    if requested is not None:
+        return requested
+    return DEFAULT_ON_CPU if device.type == "cpu" else False
 
 
 def span_buckets(num_slots: int) -> list[int]:
@@ -68,11 +87,12 @@ class SpanCacheView:
 
 
 class CompiledCacheForward:
-    """Calls like the policy does in `cospec.rollout.engine.score_tokens`; a whole-cache forward
-    runs as a compiled graph, anything else eagerly on the same module (same weights: a weight
-    sync that copies into the module in place reaches both).
+    """Calls like the module it wraps (a `Transformer` policy or draft LM as in
+    `cospec.rollout.engine.score_tokens`, or an `Eagle3Draft` with its feature input); a
+    whole-cache forward runs as a compiled graph, anything else eagerly on the same module (same
+    weights: a weight sync that copies into the module in place reaches both).
 
-    model: the engine's policy (a `Transformer`); cache: the engine's `KVCache` for it.
+    model: a `Transformer` or an `Eagle3Draft`; cache: the engine's `KVCache` for it.
     mode: `torch.compile`'s mode ("default"; "reduce-overhead" adds CUDA graphs on CUDA).
     compiled_calls_by_span / num_eager_calls count the forwards each way (tests and benchmarks
     read them).
@@ -80,6 +100,7 @@ class CompiledCacheForward:
 
     def __init__(self, model: nn.Module, cache: KVCache, *, mode: str = "default"):
         self.model, self.cache = model, cache
+        self._is_policy = isinstance(model, Transformer)
         self.config = model.config
         self.spans = span_buckets(cache.capacity)
         # Dynamo keeps at most `recompile_limit` graphs per function and then falls back to eager
@@ -95,30 +116,59 @@ class CompiledCacheForward:
     def num_compiled_calls(self) -> int:
         return sum(self.compiled_calls_by_span.values())
 
-    def _span_forward(self, tokens_BT: Tensor, tap_layers: tuple[int, ...], span: int):
-        out = self.model(tokens_BT, kv_cache=SpanCacheView(self.cache, span),
-                         tap_layers=tap_layers, attn_fn=matmul_cache_attention)
+    def _span_forward(self, tokens_BT: Tensor, inputs: tuple[Tensor, ...],
+                      tap_layers: tuple[int, ...], span: int):
+        view = SpanCacheView(self.cache, span)
+        if not self._is_policy:  # a draft step: tokens and the feature it reads
+            out = self.model(tokens_BT, *inputs, kv_cache=view, attn_fn=matmul_cache_attention)
+            return out.logits, out.hidden, ()
+        out = self.model(tokens_BT, kv_cache=view, tap_layers=tap_layers,
+                         attn_fn=matmul_cache_attention)
         return out.logits, out.hidden, tuple(out.taps[i] for i in tap_layers)
+
+    def precompile(self, num_tokens: Sequence[int], tap_layers: Sequence[int] = ()) -> None:
+        """Compile the graph of every span for each count of new tokens, now rather than at the
+        first step that needs it (a benchmark's timed runs should not compile). Runs on dummy
+        inputs and leaves every row's length as it was: call it between `generate` calls."""
+        saved = self.cache.lengths_B.clone()
+        device, B = self.cache.lengths_B.device, self.cache.batch_size
+        with torch.inference_mode():
+            for T in num_tokens:
+                tokens = torch.zeros(B, T, dtype=torch.long, device=device)
+                inputs, kwargs = (), {"tap_layers": tap_layers}
+                if not self._is_policy:  # an EAGLE-3 draft step reads a feature per entry
+                    p = next(self.model.parameters())
+                    inputs = (torch.zeros(B, T, self.model.config.hidden_size, dtype=p.dtype,
+                                          device=device),)
+                    kwargs = {}
+                for span in self.spans:
+                    self.cache.lengths_B.fill_(max(span - T, 0))
+                    self.cache.expect_longest(max(span - T, 0))
+                    self(tokens, *inputs, kv_cache=self.cache, **kwargs)
+        self.cache.lengths_B.copy_(saved)
 
     def span_for(self, longest: int) -> int:
         """The smallest bucket that holds `longest` slots."""
         return next(s for s in self.spans if s >= longest)
 
-    def __call__(self, tokens_BT: Tensor, *, kv_cache=None, cache_rows: Tensor | None = None,
-                 num_valid_B: Tensor | None = None, tap_layers: Sequence[int] = (),
-                 logits_positions_B: Tensor | None = None) -> ModelOutput:
+    def __call__(self, tokens_BT: Tensor, *inputs: Tensor, kv_cache=None,
+                 cache_rows: Tensor | None = None, num_valid_B: Tensor | None = None,
+                 **kwargs) -> ModelOutput | DraftOutput:
+        tap_layers = kwargs.get("tap_layers", ())
         whole = (kv_cache is self.cache and cache_rows is None and num_valid_B is None
-                 and logits_positions_B is None and tokens_BT.shape[0] == self.cache.batch_size)
+                 and kwargs.get("logits_positions_B") is None
+                 and tokens_BT.shape[0] == self.cache.batch_size)
         if not whole:
             self.num_eager_calls += 1
-            return self.model(tokens_BT, kv_cache=kv_cache, cache_rows=cache_rows,
-                              num_valid_B=num_valid_B, tap_layers=tap_layers,
-                              logits_positions_B=logits_positions_B)
+            return self.model(tokens_BT, *inputs, kv_cache=kv_cache, cache_rows=cache_rows,
+                              num_valid_B=num_valid_B, **kwargs)
         # The overflow check and the span the graph cannot compute: on the host, from
         # `expect_longest` when the engine gave it (else one device read, as the eager forward).
         longest = kv_cache.check_room(tokens_BT.shape[1])
         taps = tuple(int(i) for i in tap_layers)
         span = self.span_for(longest)
-        logits, hidden, tapped = self._compiled(tokens_BT, taps, span)
+        logits, hidden, tapped = self._compiled(tokens_BT, inputs, taps, span)
         self.compiled_calls_by_span[span] += 1
+        if not self._is_policy:
+            return DraftOutput(logits=logits, hidden=hidden)
         return ModelOutput(logits=logits, hidden=hidden, taps=dict(zip(taps, tapped)))

@@ -47,7 +47,7 @@ class TappedDrafter:
     def __init__(self, draft: TappedDraft, policy_cfg=None):
         if policy_cfg is not None:
             draft.check_policy(policy_cfg)
-        self.model = draft
+        self.model = self.forward = draft  # forward: what the steps call (`compile_steps`)
         self.tap_layers = draft.tap_layers
         self.feature_size = len(draft.tap_layers) * draft.policy_config.hidden_size
         self.vocab_ids = draft.vocab_ids
@@ -69,8 +69,8 @@ class Eagle3Drafter(TappedDrafter):
 
     def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor, rows_N: Tensor | None,
                  num_valid_N: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        out = self.model(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
-                         num_valid_B=num_valid_N)
+        out = self.forward(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
+                           num_valid_B=num_valid_N)
         # Over the head's columns only: the engine warps and draws there and maps the draws to
         # policy ids; the ids off the head have q = 0, so the residual max(0, p - q) keeps their
         # exact p (`cospec.rollout.verify.HeadProbs`).
@@ -89,7 +89,7 @@ class LMDrafter:
         if policy_cfg is not None and lm.config.vocab_size != policy_cfg.vocab_size:
             raise ValueError(f"draft/policy mismatch: draft LM has vocab_size={lm.config.vocab_size}, "
                              f"policy has vocab_size={policy_cfg.vocab_size}")
-        self.model = lm
+        self.model = self.forward = lm  # forward: what the steps call (`compile_steps`)
 
     def features(self, taps: dict[int, Tensor]) -> None:
         return None
@@ -102,7 +102,7 @@ class LMDrafter:
 
     def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor | None,
                  rows_N: Tensor | None, num_valid_N: Tensor | None = None) -> tuple[Tensor, None]:
-        out = self.model(tokens_NT, kv_cache=cache, cache_rows=rows_N, num_valid_B=num_valid_N)
+        out = self.forward(tokens_NT, kv_cache=cache, cache_rows=rows_N, num_valid_B=num_valid_N)
         return out.logits, None
 
 

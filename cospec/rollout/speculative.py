@@ -46,6 +46,7 @@ from cospec.data.tokenizer import EOS
 from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
+from cospec.rollout.compiled_forward import CompiledCacheForward
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished,
                                    bind_streams, check_logprobs_finite, host_rows, prefill_slots,
@@ -70,8 +71,9 @@ class SpeculativeEngine(GenerationEngine):
         every this many drafting steps: they read q and p over the whole vocabulary, 3 passes
         over [N, G, V] floats, which at batch 64 and a 49K vocabulary is most of a step's
         sampling work.
-    compile: as `GenerationEngine`'s; the verification forwards are the compiled ones (one
-        graph per verify length), the draft's forwards stay eager.
+    compile: as `GenerationEngine`'s, for the verification forwards (a graph per verify length)
+        and the autoregressive draft's catch-ups and steps (EAGLE-3, draft LM); the draft's
+        prefill and a block draft's forwards stay eager.
     """
 
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
@@ -91,6 +93,8 @@ class SpeculativeEngine(GenerationEngine):
             raise ValueError(f"overshoot_every must be >= 1, got {overshoot_every}")
         self.gamma, self.overshoot_every = gamma, overshoot_every
         self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.capacity + gamma))
+        if compile and not self.drafter.parallel and hasattr(self.drafter, "forward"):
+            self.drafter.forward = CompiledCacheForward(self.drafter.model, self.draft_cache)
         self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
                                          if adaptive else None)
         if self.controller is not None:
