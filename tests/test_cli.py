@@ -154,6 +154,21 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     assert [r["draft"] for r in json.loads(path.read_text())["results"]] == ["block"]
 
 
+def test_bench_compile_measures_eager_and_compiled_engines_side_by_side(tmp_path):
+    """`cospec bench compile`: per batch size, plain and speculative engines eager and compiled on
+    the same prompts and seeds; the compiled ones sample the eager ones' tokens, and their
+    compiled graphs (verification, the draft's steps) were the ones called."""
+    out, path = tmp_path / "run", tmp_path / "compile.json"
+    assert main(["bench", "compile", "--quick", "--batch-sizes", "2", "--json", str(path), *TINY,
+                 f"out_dir={out}", "rollout.gamma=2", "draft.ttt_steps=2"]) == 0
+    (row,) = json.loads(path.read_text())["results"]
+    assert row["batch_size"] == 2 and row["rows_equal_to_eager"] == {"plain": 1.0, "spec": 1.0}
+    assert all(row[f"{k}_tok_s"] > 0 for k in ("plain", "plain_compiled", "spec", "spec_compiled"))
+    calls = row["compiled_calls_by_span"]
+    assert sum(calls["plain"].values()) > 0 and sum(calls["verify"].values()) > 0
+    assert sum(calls["draft"].values()) > 0
+
+
 def test_the_long_workload_on_a_policy_that_never_saw_copy_is_refused_before_any_work(tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["bench", "rollout", "--quick", "--no-hf", "--workload", "long", *TINY,

@@ -92,7 +92,7 @@ class Timer:
 
 def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_size: int,
                      gamma: int, repeats: int, seed: int = 0, stop_ids=(EOS,),
-                     overshoot_every: int = 1, compile: bool = False) -> dict:
+                     overshoot_every: int = 1, compile: bool | None = False) -> dict:
     """One row: plain, speculative and adaptive engines (all compiled with ``compile``)."""
     device = next(policy.parameters()).device
     controller = AdaptiveGamma(gamma)
@@ -223,7 +223,7 @@ class _BenchInputs:
         return bench_batch_size(self.policy, draft, prompts, self.sampling, batch_size=batch_size,
                                 gamma=self.gamma, repeats=self.repeats,
                                 stop_ids=self.data.tokenizer.stop_ids,
-                                compile=compile_rollouts(self.cfg.rollout.compile, self.device),
+                                compile=self.cfg.rollout.compile,
                                 **kwargs)
 
 

@@ -49,7 +49,6 @@ from cospec.rl.layouts import build_policy_layout, check_rl_config
 from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
 from cospec.rl.step_metrics import console_line, step_metrics
 from cospec.rl.trainer_state import restore_trainer, save_trainer
-from cospec.rollout.compiled_forward import compile_rollouts
 from cospec.rollout.engine import Completion, GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -126,17 +125,15 @@ class GRPOTrainer:
         self._step_start_rng, self._updated_this_step = None, False  # see `_stopped`
 
     def _make_engine(self):
-        r, batch = self.cfg.rollout, self.cfg.sampling.batch_size
-        stop_ids = self.data.tokenizer.stop_ids
-        compile = compile_rollouts(r.compile, self.device)
+        r, batch, stop_ids = self.cfg.rollout, self.cfg.sampling.batch_size, self.data.tokenizer.stop_ids
         if not r.speculative:
             return GenerationEngine(self.rollout_policy, batch_size=batch, stop_ids=stop_ids,
-                                    compile=compile)
+                                    compile=r.compile)
         if self.draft is None:
             raise ConfigError("rollout.speculative: needs a draft (cospec draft-train makes one)")
         return SpeculativeEngine(self.rollout_policy, self.rollout_draft, batch_size=batch, gamma=r.gamma,
                                  adaptive=r.adaptive, probe_every=r.probe_every, stop_ids=stop_ids,
-                                 overshoot_every=r.overshoot_every, compile=compile)
+                                 overshoot_every=r.overshoot_every, compile=r.compile)
 
     # ------------------------------------------------------------------------- the named steps
 

@@ -41,8 +41,10 @@ from cospec.models.draft import DraftOutput
 from cospec.models.llama import ModelOutput, Transformer
 from cospec.rollout.kv_cache import KVCache
 
+#: the shortest attention span a compiled forward covers (shorter rows share its graph)
 SMALLEST_SPAN = 64
-#: see `compile_rollouts`
+#: see `compile_rollouts`: off, since a cold compile (~1 minute per batch size on 2 cores) outweighs
+#: a 1.1x decode gain at the demo's batch 16 over its ~2 minutes of rollouts per mode
 DEFAULT_ON_CPU = False
 
 
@@ -103,11 +105,14 @@ class CompiledCacheForward:
         self._is_policy = isinstance(model, Transformer)
         self.config = model.config
         self.spans = span_buckets(cache.capacity)
-        # Dynamo keeps at most `recompile_limit` graphs per function and then falls back to eager
-        # silently; an engine needs one per (T, taps, span): T runs 1..gamma+1 under adaptive
-        # speculation, and there are len(self.spans) spans.
-        limit = 8 * len(self.spans) * 2
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, limit)
+        # Dynamo keeps at most `recompile_limit` graphs per code object (default 8) and past it
+        # runs that code eagerly for good, with only a log line. Every instance shares the code of
+        # `_span_forward`, and each needs a graph per (T, taps, span): T runs 1..gamma+1 under
+        # adaptive speculation, with up to 5 spans, and a benchmark builds engines at 4 batch
+        # sizes, each with a policy and a draft forward: hundreds of graphs in one process.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 512)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 1024)
         self._compiled = torch.compile(self._span_forward, fullgraph=True, dynamic=False, mode=mode)
         self.compiled_calls_by_span = dict.fromkeys(self.spans, 0)
         self.num_eager_calls = 0

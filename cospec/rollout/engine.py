@@ -47,7 +47,7 @@ from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS, PAD
 from cospec.metrics.progress import progress_bar
 from cospec.models.integrity import NonFiniteError
-from cospec.rollout.compiled_forward import CompiledCacheForward
+from cospec.rollout.compiled_forward import CompiledCacheForward, compile_rollouts
 from cospec.rollout.host_memory import keep_freed_host_memory
 from cospec.rollout.kv_cache import KVCache
 from cospec.rollout.prompt_streams import PromptStreams
@@ -191,11 +191,12 @@ class GenerationEngine:
     compile: run the policy's whole-batch decode (and, speculative, verification) forwards as
         `torch.compile` graphs (`CompiledCacheForward`); prefills and a run's tail stay eager.
         The first forward of each new shape compiles (seconds); outputs match eager to rounding.
+        None: the device's measured default (`compile_rollouts`).
     """
 
     def __init__(self, model, *, batch_size: int, max_seq_len: int | None = None,
                  stop_ids: Collection[int] | None = (EOS,), spare_slots: int = 0,
-                 compile: bool = False):
+                 compile: bool | None = False):
         model_len = model.config.max_seq_len
         if batch_size <= 0:
             raise ValueError(f"batch_size must be positive, got {batch_size}")
@@ -209,7 +210,8 @@ class GenerationEngine:
         self.max_seq_len = max_seq_len or model_len
         self.cache = KVCache.for_model(model, batch_size, self.max_seq_len + spare_slots)
         # What the per-step forwards call: the policy itself, or its compiled whole-cache forward
-        self.forward = CompiledCacheForward(model, self.cache) if compile else model
+        self.compiled = compile_rollouts(compile, next(model.parameters()).device)
+        self.forward = CompiledCacheForward(model, self.cache) if self.compiled else model
 
     @property
     def capacity(self) -> int:

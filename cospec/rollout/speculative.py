@@ -79,7 +79,7 @@ class SpeculativeEngine(GenerationEngine):
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
                  max_seq_len: int | None = None, stop_ids: Collection[int] | None = (EOS,),
                  controller: AdaptiveGamma | None = None, probe_every: int = 16,
-                 overshoot_every: int = 1, compile: bool = False):
+                 overshoot_every: int = 1, compile: bool | None = False):
         if gamma < 1:
             raise ValueError(f"gamma must be >= 1 (drafted tokens per step), got {gamma}")
         # Spare slots: room for the G+1 tokens a verify writes past the committed length.
@@ -93,7 +93,7 @@ class SpeculativeEngine(GenerationEngine):
             raise ValueError(f"overshoot_every must be >= 1, got {overshoot_every}")
         self.gamma, self.overshoot_every = gamma, overshoot_every
         self.draft_cache = self.drafter.new_cache(batch_size, 2 * (self.capacity + gamma))
-        if compile and not self.drafter.parallel and hasattr(self.drafter, "forward"):
+        if self.compiled and not self.drafter.parallel and hasattr(self.drafter, "forward"):
             self.drafter.forward = CompiledCacheForward(self.drafter.model, self.draft_cache)
         self.controller = controller or (AdaptiveGamma(gamma, probe_every=probe_every)
                                          if adaptive else None)
