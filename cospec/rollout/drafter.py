@@ -47,7 +47,8 @@ class TappedDrafter:
     def __init__(self, draft: TappedDraft, policy_cfg=None):
         if policy_cfg is not None:
             draft.check_policy(policy_cfg)
-        self.model = self.forward = draft  # forward: what the steps call (`compile_steps`)
+        # forward: what the steps call (a compiled forward under `SpeculativeEngine(compile=True)`)
+        self.model = self.forward = draft
         self.tap_layers = draft.tap_layers
         self.feature_size = len(draft.tap_layers) * draft.policy_config.hidden_size
         self.vocab_ids = draft.vocab_ids
@@ -89,7 +90,8 @@ class LMDrafter:
         if policy_cfg is not None and lm.config.vocab_size != policy_cfg.vocab_size:
             raise ValueError(f"draft/policy mismatch: draft LM has vocab_size={lm.config.vocab_size}, "
                              f"policy has vocab_size={policy_cfg.vocab_size}")
-        self.model = self.forward = lm  # forward: what the steps call (`compile_steps`)
+        # forward: what the steps call (a compiled forward under `SpeculativeEngine(compile=True)`)
+        self.model = self.forward = lm
 
     def features(self, taps: dict[int, Tensor]) -> None:
         return None
