@@ -136,3 +136,32 @@ def test_rl_with_rollout_compile_decodes_with_the_updated_weights(tmp_path):
     assert [c.tokens for c in after] == [c.tokens for c in eager.completions]
     assert [c.tokens for c in after] != [c.tokens for c in before], "the update changed nothing"
     assert trainer.engine.forward.num_compiled_calls > 0
+
+
+def test_adaptive_cost_model_leaves_out_steps_that_compiled(policy):
+    """A step whose forward compiles a graph takes seconds: the controller must not read that as
+    the step's cost. After `precompile_engine` no step compiles, and every step is observed."""
+    from cospec.rollout.compiled_forward import graphs_called, precompile_engine
+
+    torch.manual_seed(1)
+    engine = SpeculativeEngine(policy, Eagle3Draft.from_policy(policy).eval(), batch_size=3,
+                               gamma=2, adaptive=True, max_seq_len=CAPACITY, stop_ids=None,
+                               compile=True)
+    prompts = make_prompts(PROMPT_LENGTHS[:3])
+    engine.generate(prompts, SamplingConfig(max_new_tokens=4))  # calibrates on the 64-slot span
+    observed = []
+    observe = engine.controller.cost.observe_verify
+    engine.controller.cost.observe_verify = lambda n, t, s: (observed.append(t), observe(n, t, s))
+
+    def run():
+        observed.clear()
+        before = graphs_called(engine)
+        steps = sum(engine.generate(prompts, SamplingConfig(max_new_tokens=CAPACITY)
+                                    ).stats.gamma_counts.values())
+        return steps, graphs_called(engine) - before
+
+    steps, new_graphs = run()  # rows grow past 64 slots: the 90-slot span compiles mid-run
+    assert new_graphs > 0 and len(observed) < steps
+    precompile_engine(engine)
+    steps, new_graphs = run()
+    assert new_graphs == 0 and len(observed) == steps

@@ -4,8 +4,8 @@ on the run's starting policy and its trained draft, measured side by side in one
 Per batch size B, four engines answer the same prompts (2B of them, at least 16) with the same
 seeds: plain and speculative (fixed gamma), each eager and compiled. The first call of each
 engine is a warm-up on the same prompts; for a compiled engine it also compiles its graphs (one
-per verify length and attention span, `cospec.rollout.compiled_forward`; `precompile` makes those
-of the spans the warm-up did not reach), and its extra seconds are reported as the compile cost (inductor caches compiled code on disk, so a second run of the benchmark pays less). The
+per verify length and attention span, `cospec.rollout.compiled_forward`; `precompile_engine`
+makes those the warm-up did not reach), and its extra seconds are reported as the compile cost (inductor caches compiled code on disk, so a second run of the benchmark pays less). The
 engines then run interleaved, ``repeats`` times each; tokens/s is total tokens over total seconds.
 
 Equality: each compiled engine's sampled tokens are compared with its eager twin's (same seed,
@@ -23,8 +23,7 @@ import torch
 
 from cospec.bench.rollout import Timer, _load_inputs, _meta
 from cospec.config import RunConfig
-from cospec.rollout.compiled_forward import CompiledCacheForward
-from cospec.rollout.drafter import Eagle3Drafter
+from cospec.rollout.compiled_forward import precompile_engine
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -51,12 +50,7 @@ def bench_batch_size(run, draft, prompts, *, batch_size: int) -> dict:
         for name, engine in engines.items():
             t0 = time.perf_counter()
             generate(engine, prompts, 0)
-            if isinstance(engine.forward, CompiledCacheForward):  # every span: none compiles later
-                speculative = isinstance(engine, SpeculativeEngine)
-                engine.forward.precompile([run.gamma + 1 if speculative else 1],
-                                          engine.drafter.tap_layers if speculative else ())
-                if isinstance(getattr(engine, "drafter", None), Eagle3Drafter):
-                    engine.drafter.forward.precompile([1])
+            precompile_engine(engine)  # every span: none compiles in the timed runs
             warmup[name] = time.perf_counter() - t0
     timers = {k: Timer() for k in engines}
     for r in range(run.repeats):

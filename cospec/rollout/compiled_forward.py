@@ -60,6 +60,14 @@ def compile_rollouts(requested: bool | None, device: torch.device) -> bool:
     return DEFAULT_ON_CPU if device.type == "cpu" else False
 
 
+def graphs_called(engine) -> int:
+    """Graphs a speculative engine's compiled forwards (policy, draft) have called (0 when eager).
+    A step that raises the count compiled, so its time is the compiler's: the adaptive controller
+    leaves it out of its cost model (a compile pause would read as a step seconds long)."""
+    forwards = (engine.forward, getattr(engine.drafter, "forward", None))
+    return sum(getattr(f, "num_graphs", 0) for f in forwards)
+
+
 def span_buckets(num_slots: int) -> list[int]:
     """The spans a compiled forward may attend over: powers of two from SMALLEST_SPAN, then S."""
     spans, s = [], SMALLEST_SPAN
@@ -116,6 +124,12 @@ class CompiledCacheForward:
         self._compiled = torch.compile(self._span_forward, fullgraph=True, dynamic=False, mode=mode)
         self.compiled_calls_by_span = dict.fromkeys(self.spans, 0)
         self.num_eager_calls = 0
+        self._shapes: set[tuple] = set()  # (T, taps, span) of every graph called so far
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs this forward has called (a call that raised it compiled one)."""
+        return len(self._shapes)
 
     @property
     def num_compiled_calls(self) -> int:
@@ -172,8 +186,26 @@ class CompiledCacheForward:
         longest = kv_cache.check_room(tokens_BT.shape[1])
         taps = tuple(int(i) for i in tap_layers)
         span = self.span_for(longest)
+        self._shapes.add((tokens_BT.shape[1], taps, span))
         logits, hidden, tapped = self._compiled(tokens_BT, inputs, taps, span)
         self.compiled_calls_by_span[span] += 1
         if not self._is_policy:
             return DraftOutput(logits=logits, hidden=hidden)
         return ModelOutput(logits=logits, hidden=hidden, taps=dict(zip(taps, tapped)))
+
+
+def precompile_engine(engine) -> None:
+    """Compile, now, every graph a run of ``engine`` may call (`CompiledCacheForward.precompile`
+    for each of its compiled forwards), so that timed runs after it never compile: a plain
+    engine's decode; a speculative engine's verify lengths (every 1..gamma+1 under a controller,
+    else gamma+1) and its draft's one-token steps. Nothing for an eager engine."""
+    if not isinstance(engine.forward, CompiledCacheForward):
+        return
+    drafter = getattr(engine, "drafter", None)
+    if drafter is None:
+        engine.forward.precompile([1])
+        return
+    lengths = range(1, engine.gamma + 2) if engine.controller is not None else [engine.gamma + 1]
+    engine.forward.precompile(lengths, drafter.tap_layers)
+    if isinstance(getattr(drafter, "forward", None), CompiledCacheForward):
+        drafter.forward.precompile([1])

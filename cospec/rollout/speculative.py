@@ -46,7 +46,7 @@ from cospec.data.tokenizer import EOS
 from cospec.models.integrity import NonFiniteError
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.calibration import calibrate, synced_time
-from cospec.rollout.compiled_forward import CompiledCacheForward
+from cospec.rollout.compiled_forward import CompiledCacheForward, graphs_called
 from cospec.rollout.drafter import make_drafter
 from cospec.rollout.engine import (Completion, GenerationEngine, append_until_finished,
                                    bind_streams, check_logprobs_finite, host_rows, prefill_slots,
@@ -71,9 +71,8 @@ class SpeculativeEngine(GenerationEngine):
         every this many drafting steps: they read q and p over the whole vocabulary, 3 passes
         over [N, G, V] floats, which at batch 64 and a 49K vocabulary is most of a step's
         sampling work.
-    compile: as `GenerationEngine`'s, for the verification forwards (a graph per verify length)
-        and the autoregressive draft's catch-ups and steps (EAGLE-3, draft LM); the draft's
-        prefill and a block draft's forwards stay eager.
+    compile: as `GenerationEngine`'s: verification and the EAGLE-3 / draft-LM one-token steps
+        compiled; the draft's catch-up (ragged widths) and a block draft's forwards stay eager.
     """
 
     def __init__(self, model, draft, *, batch_size: int, gamma: int = 4, adaptive: bool = False,
@@ -162,13 +161,14 @@ class SpeculativeEngine(GenerationEngine):
             # it would make every gamma look alike to the controller).
             t0 = synced_time(self.seq_BS)
             gamma = self.controller.choose(len(active)) if self.controller else self.gamma
+            self._graphs_before = graphs_called(self)
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             self.num_forwards += 1
             other_s = synced_time(self.seq_BS) - t0 - draft_s - verify_s
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             self.stats.other_seconds += other_s
-            if self.controller is not None:
+            if self.controller is not None and self._step_timed:
                 # The step's sampling, acceptance test and bookkeeping grow with gamma too: they
                 # count as part of the verify cost of (N, gamma + 1).
                 self.controller.cost.observe_verify(len(active), gamma + 1, verify_s + other_s)
@@ -371,10 +371,11 @@ class SpeculativeEngine(GenerationEngine):
             for j in range(min(k + 1, gamma)):
                 st.reached[j] += 1
                 st.accepted[j] += j < k
+        self._step_timed = self._graphs_before == graphs_called(self)  # else it timed a compile
         if self.controller is not None:
             plain_step = self.controller.cost.verify_cost(len(active), 1)
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
-            if self._drafted:  # the catch-up call by its width, the further calls apart
+            if self._drafted and self._step_timed:  # catch-up by width, the rest apart
                 cost, drafted = self.controller.cost, self._drafted
                 cost.observe_draft(len(active), self._catch_up_width,
                                    self._single_steps_start - self._draft_start)
