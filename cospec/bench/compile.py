@@ -5,8 +5,9 @@ Per batch size B, four engines answer the same prompts (2B of them, at least 16)
 seeds: plain and speculative (fixed gamma), each eager and compiled. The first call of each
 engine is a warm-up on the same prompts; for a compiled engine it also compiles its graphs (one
 per verify length and attention span, `cospec.rollout.compiled_forward`; `precompile_engine`
-makes those the warm-up did not reach), and its extra seconds are reported as the compile cost (inductor caches compiled code on disk, so a second run of the benchmark pays less). The
-engines then run interleaved, ``repeats`` times each; tokens/s is total tokens over total seconds.
+makes those the warm-up did not reach), and its extra seconds are reported as the compile cost
+(inductor caches compiled code on disk, so a second run of the benchmark pays less). The engines
+then run interleaved, ``repeats`` times each; tokens/s is total tokens over total seconds.
 
 Equality: each compiled engine's sampled tokens are compared with its eager twin's (same seed,
 same batch): the compiled logits differ from eager by float rounding only, so the rows agree
@@ -26,6 +27,7 @@ from cospec.config import RunConfig
 from cospec.rollout.compiled_forward import precompile_engine
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
+
 
 def bench_batch_size(run, draft, prompts, *, batch_size: int) -> dict:
     stops = run.data.tokenizer.stop_ids

@@ -118,9 +118,9 @@ class RolloutConfig:
     #: the overshoot diagnostics (q above p on drafted tokens) sum every this many drafting steps
     #: (they read p and q over the whole vocabulary: costly at large batch and vocabulary)
     overshoot_every: int = 4
-    #: run the policy's whole-batch decode and verification forwards as torch.compile graphs
-    #: (`cospec.rollout.compiled_forward`; the first forward of each shape compiles, seconds
-    #: each). null: the measured default of the device (`compile_rollouts`)
+    #: run the whole-batch decode, verification and one-token draft forwards as torch.compile
+    #: graphs (`cospec.rollout.compiled_forward`; the first forward of each shape compiles,
+    #: seconds each). null: the measured default of the device (`compile_rollouts`)
     compile: bool | None = None
 
     def __post_init__(self) -> None:

@@ -111,7 +111,6 @@ class CompiledCacheForward:
     def __init__(self, model: nn.Module, cache: KVCache, *, mode: str = "default"):
         self.model, self.cache = model, cache
         self._is_policy = isinstance(model, Transformer)
-        self.config = model.config
         self.spans = span_buckets(cache.capacity)
         # Dynamo keeps at most `recompile_limit` graphs per code object (default 8) and past it
         # runs that code eagerly for good, with only a log line. Every instance shares the code of

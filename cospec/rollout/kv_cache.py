@@ -4,11 +4,14 @@
 
 Buffers are allocated once, one key and one value tensor [B, Hkv, S, D] per layer (``keys[i]``,
 ``values[i]``), and registered, so ``.to(device)`` moves them and no step allocates. One tensor per
-layer rather than one [L, B, Hkv, S, D] block: a compiled forward (`cospec.rollout.compiled_forward`)
-that writes a slice of one shared block copies the whole block per layer (measured 3x slower than
-eager on the default policy), while a write into a layer's own tensor stays in place. ``lengths_B[b]`` is the number of valid slots of row b; slots past it hold
-stale values that the attention mask hides, so rolling a row back (speculative rejection) is just
-lowering its length: `truncate`.
+layer rather than one [L, B, Hkv, S, D] block: a compiled forward
+(`cospec.rollout.compiled_forward`) that writes a slice of one shared block copies the whole block
+per layer (measured 3x slower than eager on the default policy), while a write into a layer's own
+tensor stays in place.
+
+``lengths_B[b]`` is the number of valid slots of row b; slots past it hold stale values that the
+attention mask hides, so rolling a row back (speculative rejection) is just lowering its length:
+`truncate`.
 
 A forward with the cache writes the T new tokens of each row at slots lengths_b .. lengths_b+T-1 of
 every layer, then `advance` adds each row's count of *valid* new tokens (a right-padded prefill of
