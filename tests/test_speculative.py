@@ -306,12 +306,14 @@ def test_controller_keeps_plain_decoding_when_the_predicted_gain_is_below_the_ma
     assert [ctl.choose(8) for _ in range(10)] == [0] * 10
 
 
-def test_controller_probes_after_a_run_of_plain_steps():
+def test_controller_probes_after_a_run_of_plain_steps_and_spaces_out_fruitless_probes():
     ctl = AdaptiveGamma(3, synthetic_costs(gamma_max=3), probe_every=5)
     for _ in range(50):
         ctl.observe_acceptance(3, [0] * 8)
-    picks = [ctl.choose(1) for _ in range(10)]
-    assert picks == [0, 0, 0, 0, 3, 0, 0, 0, 0, 3]
+    picks = [ctl.choose(1) for _ in range(200)]
+    # after 5 plain steps, then 10, 20, 40, and at most every 16 x 5 = 80 from there
+    probes = [i + 1 for i, g in enumerate(picks) if g]
+    assert set(picks) == {0, 3} and probes == [5, 15, 35, 75, 155]
 
 
 def test_expected_tokens_matches_the_closed_form_for_equal_acceptance():

@@ -109,6 +109,7 @@ class RolloutConfig:
     #: choose gamma (0 = plain decoding) every step from the online cost model
     adaptive: bool = True
     #: adaptive: after this many steps at gamma = 0, draft once to refresh the acceptance estimate
+    #: (then after twice as many, up to 16 times as many, while speculation stays off)
     probe_every: int = 16
     #: weight dtype of the engine's copies of the policy and the draft: "" (model.dtype), "float32"
     #: or "bfloat16". Training keeps model.dtype; the copies are cast at every weight sync (as RL

@@ -28,7 +28,20 @@ Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a
 (`calibrate` in `cospec.rollout.calibration`) and kept current by an exponential moving average of
 every step's measured time; N between measured points is interpolated linearly. Acceptance is a
 decayed count per position, so it follows a draft that co-training improves; while G = 0 nothing is
-measured, so every ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max).
+measured, so after ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max), and
+after twice as many the next time, up to 16 times as many, while speculation stays off.
+
+Whole steps. The sum above leaves out what a speculative step pays besides its forwards: the
+catch-up is as wide as the step's widest row (not E(G)), rows refilled while the draft was off
+are prefilled into it when drafting resumes, and tokens drafted past a row's stop token are thrown
+away. So each step's wall time S (choice to bookkeeping, refills excluded) and its kept tokens K
+of the E emitted are observed too, and the choice uses
+    rate(N, G) = N * E(G) * f(G) / (cost(N, G) * c(N, G)),
+c(N, G) = an exponential moving average of S / cost(N, G) over the steps taken at G with ~N rows
+(1 until one is; at an unmeasured G >= 1 the mean of the measured G >= 1 at that N), and
+f(G) = decayed sum K / decayed sum E (at an unmeasured G >= 1, pooled over the speculative
+steps; 1 at G = 0, where every emitted token is kept). The
+forwards' table still carries how costs grow with N and T; the corrections carry what it misses.
 """
 
 from __future__ import annotations
@@ -55,19 +68,20 @@ class CostModel:
         lo = 1 << (max(n, 1).bit_length() - 1)
         return lo if n * n < 2 * lo * lo else 2 * lo
 
-    def _update(self, table: dict[int, float], n: int, seconds: float) -> None:
+    def average_into(self, table: dict[int, float], n: int, seconds: float) -> None:
+        """table[bucket(n)] <- the moving average with this measurement."""
         n = self.bucket(n)
         old = table.get(n)
         table[n] = seconds if old is None else (1 - self.ema) * old + self.ema * seconds
 
     def observe_verify(self, n: int, t: int, seconds: float) -> None:
-        self._update(self.verify.setdefault(t, {}), n, seconds)
+        self.average_into(self.verify.setdefault(t, {}), n, seconds)
 
     def observe_draft(self, n: int, t: int, seconds: float) -> None:
-        self._update(self.draft.setdefault(t, {}), n, seconds)
+        self.average_into(self.draft.setdefault(t, {}), n, seconds)
 
     def observe_block(self, n: int, g: int, seconds: float) -> None:
-        self._update(self.block.setdefault(g, {}), n, seconds)
+        self.average_into(self.block.setdefault(g, {}), n, seconds)
 
     @staticmethod
     def _interpolate(table: dict[int, float], n: int) -> float | None:
@@ -148,7 +162,14 @@ class AdaptiveGamma:
         self.reached = [0.0] * gamma_max  # rows whose draft position j was judged
         self.accepted = [0.0] * gamma_max  # of those, rows that accepted it
         self.steps_at_zero = 0
+        self.probe_interval = probe_every  # plain steps before the next probe (see `_choose`)
         self.block_drafter = False  # set by the engine: the draft proposes a block per forward
+        # Whole-step calibration (module docstring): c(N, G) as G -> {bucket(N): S / cost},
+        # and per G the decayed kept and emitted token counts of f(G).
+        self.step_correction: dict[int, dict[int, float]] = {}
+        self.kept = [0.0] * (gamma_max + 1)
+        self.emitted = [0.0] * (gamma_max + 1)
+        self.last_choice: tuple[int, int, float | None] | None = None  # (N, G, cost(N, G))
 
     def acceptance(self) -> list[float]:
         """Current estimate of a_j for j = 1..gamma_max."""
@@ -164,18 +185,60 @@ class AdaptiveGamma:
                 self.reached[j] += 1
                 self.accepted[j] += j < k
 
-    def throughput(self, n: int, gamma: int) -> float | None:
-        """Expected tokens per second of a step of n rows with `gamma`; None if a cost is unknown."""
+    def forwards_cost(self, n: int, gamma: int, accept: list[float] | None = None) -> float | None:
+        """cost(N, G): the step's forwards (module docstring); None while one is unmeasured.
+        accept: the a_j to assume (default the current estimate)."""
         verify = self.cost.verify_cost(n, gamma + 1)
-        tokens = expected_tokens(self.acceptance(), gamma)
         draft = 0.0
         if gamma > 0:
+            tokens = expected_tokens(accept or self.acceptance(), gamma)
             draft = self.cost.draft_step_cost(n, gamma, math.ceil(tokens), self.block_drafter)
-            if draft is None:
-                return None
-        if verify is None:
+        if verify is None or draft is None:
             return None
-        return n * tokens / (verify + draft)
+        return verify + draft
+
+    def correction(self, n: int, gamma: int) -> float:
+        """c(N, G): measured whole-step seconds over cost(N, G), near N (module docstring)."""
+        n = self.cost.bucket(n)
+        measured = self.step_correction.get(gamma, {}).get(n)
+        if measured is not None:
+            return measured
+        if gamma > 0:  # another speculative gamma's at this N: the same overheads, roughly
+            others = [t[n] for g, t in self.step_correction.items() if g > 0 and n in t]
+            if others:
+                return sum(others) / len(others)
+        return 1.0
+
+    def kept_fraction(self, gamma: int) -> float:
+        """f(G): of the tokens steps at G emitted, the share kept (not past a stop token); at an
+        unmeasured G >= 1, that of all speculative steps."""
+        if self.emitted[gamma]:
+            return self.kept[gamma] / self.emitted[gamma]
+        speculative = sum(self.emitted[1:])
+        return sum(self.kept[1:]) / speculative if gamma > 0 and speculative else 1.0
+
+    def throughput(self, n: int, gamma: int, accept: list[float] | None = None) -> float | None:
+        """Expected kept tokens per second of a whole step of n rows with `gamma`; None while a
+        cost is unknown. accept: the a_j to assume (default the current estimate)."""
+        accept = accept or self.acceptance()
+        seconds = self.forwards_cost(n, gamma, accept)
+        if seconds is None:
+            return None
+        tokens = expected_tokens(accept, gamma) * self.kept_fraction(gamma)
+        return n * tokens / (seconds * self.correction(n, gamma))
+
+    def observe_step(self, n: int, gamma: int, seconds: float, emitted: int, kept: int) -> None:
+        """A whole step of n rows at `gamma` took `seconds` and kept `kept` of the `emitted`
+        tokens; its S / cost(N, G) updates c(N, G) when this controller chose that step (it
+        holds the cost it predicted then, before the step's own forwards were observed)."""
+        self.kept[gamma] = self.decay * self.kept[gamma] + kept
+        self.emitted[gamma] = self.decay * self.emitted[gamma] + emitted
+        chosen, self.last_choice = self.last_choice, None
+        if chosen is None or chosen[:2] != (n, gamma) or not chosen[2]:
+            return
+        # Clamped: one step stalled by the OS must not switch speculation off for many steps.
+        ratio = min(max(seconds / chosen[2], 0.5), 3.0)
+        self.cost.average_into(self.step_correction.setdefault(gamma, {}), n, ratio)
 
     def choose(self, n: int) -> int:
         """The gamma for the next step of n rows (may be a probe; see the module docstring).
@@ -186,7 +249,13 @@ class AdaptiveGamma:
         happens only where a perfect draft would pay: at batch sizes where even acceptance 1 loses,
         knowing the acceptance better cannot change the choice.
         """
-        rates = {g: self.throughput(n, g) for g in range(self.gamma_max + 1)}
+        best = self._choose(n)
+        self.last_choice = (n, best, self.forwards_cost(n, best))
+        return best
+
+    def _choose(self, n: int) -> int:
+        accept = self.acceptance()  # once: choose runs every step
+        rates = {g: self.throughput(n, g, accept) for g in range(self.gamma_max + 1)}
         known = {g: r for g, r in rates.items() if r is not None}
         if 0 not in known or len(known) == 1:
             return max(known, key=known.get) if known else self.gamma_max
@@ -195,22 +264,23 @@ class AdaptiveGamma:
             best = 0
         if best == 0:
             self.steps_at_zero += 1
-            if self.steps_at_zero >= self.probe_every and self._could_pay(n):
+            if self.steps_at_zero >= self.probe_interval:
                 self.steps_at_zero = 0
-                return self.gamma_max
+                if self._could_pay(n, known[0]):
+                    # A probe costs a catch-up over every step since the last draft, so while
+                    # probes keep finding speculation off, they space out: x2 each, up to 16 x.
+                    self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
+                    return self.gamma_max
         else:
             self.steps_at_zero = 0
+            self.probe_interval = self.probe_every
         return best
 
-    def _could_pay(self, n: int) -> bool:
+    def _could_pay(self, n: int, plain_rate: float) -> bool:
         """Whether a draft accepted at every position would beat plain decoding by the margin."""
-        saved = self.accepted, self.reached
-        self.accepted = self.reached = [1e9] * self.gamma_max
-        try:
-            optimistic = max(self.throughput(n, g) or 0.0 for g in range(1, self.gamma_max + 1))
-        finally:
-            self.accepted, self.reached = saved
-        return optimistic >= (1 + self.margin) * (self.throughput(n, 0) or float("inf"))
+        perfect = [1.0] * self.gamma_max
+        optimistic = max(self.throughput(n, g, perfect) or 0.0 for g in range(1, self.gamma_max + 1))
+        return optimistic >= (1 + self.margin) * plain_rate
 
     def verify_length(self, n: int, confidence_rows: list[list[float]], spent: float) -> int:
         """How many of a drafted block to verify: argmax_k sum_r E_r(k) / (spent + verify(n, k+1))

@@ -28,6 +28,7 @@ def synced_time(like: Tensor) -> float:
     return time.perf_counter()
 
 
+@torch.inference_mode()
 def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
     """Measure verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and the batch size,
     into the engine controller's cost model (the online averages refine it during generation).

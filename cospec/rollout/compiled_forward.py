@@ -64,6 +64,8 @@ def graphs_called(engine) -> int:
     """Graphs a speculative engine's compiled forwards (policy, draft) have called (0 when eager).
     A step that raises the count compiled, so its time is the compiler's: the adaptive controller
     leaves it out of its cost model (a compile pause would read as a step seconds long)."""
+    if not engine.compiled:
+        return 0
     forwards = (engine.forward, getattr(engine.drafter, "forward", None))
     return sum(getattr(f, "num_graphs", 0) for f in forwards)
 

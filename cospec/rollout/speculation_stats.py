@@ -41,6 +41,39 @@ class SpeculationStats:
     plain_decode_estimate_seconds: float | None = None
     overshoot_by_position: list[dict] = field(default_factory=list)
 
+    def add_step(self, gamma: int, ks: list[int], row_counts: list[list[int]]) -> None:
+        """One step at `gamma` in which row i accepted ks[i] drafts; row_counts[i], that row's
+        [steps, tokens, drafts judged, drafts accepted], is updated in place."""
+        self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
+        self.row_steps += len(ks)
+        self.step_tokens += sum(ks) + len(ks)
+        if gamma == 0:  # plain decoding: a token a row (the common case at large batch)
+            for counts in row_counts:
+                counts[0] += 1
+                counts[1] += 1
+            return
+        for k, counts in zip(ks, row_counts):
+            judged = min(k + 1, gamma)  # drafts up to the first rejection
+            counts[0] += 1
+            counts[1] += k + 1
+            counts[2] += judged
+            counts[3] += k
+            for j in range(judged):
+                self.reached[j] += 1
+                self.accepted[j] += j < k
+
+    def set_rows(self, row_counts: list[list[int]]) -> None:
+        """The per-row figures from each completion's counts (`add_step`), in prompt order."""
+        self.per_row_accept_length = [c[1] / max(c[0], 1) for c in row_counts]
+        self.per_row_judged = [c[2] for c in row_counts]
+        self.per_row_accepted = [c[3] for c in row_counts]
+
+    def set_overshoot(self, sums: list[list[float]]) -> None:
+        """overshoot_by_position from sums [log q/p, q > p, mass, count] x draft position."""
+        self.overshoot_by_position = [
+            {"log_q_over_p": lq / n, "frac_q_above_p": above / n, "mass": mass / n} if n else {}
+            for lq, above, mass, n in zip(*sums)]
+
     @property
     def accept_length(self) -> float:
         return self.step_tokens / max(self.row_steps, 1)

@@ -24,10 +24,10 @@ one policy forward of 1 token per row, no draft call; the draft catches up when 
 Per-slot state: ``seq_BS`` the row's tokens (prompt + response; seq[n] is the pending token, sampled
 but not yet fed to the policy), ``feat_BSF`` the draft feature of each entry (feat[t] = the policy's
 taps at position t-1 side by side, projected by the draft only when an entry is fed to it;
-feat[0] = 0), host-side ``n`` (policy cache length) and
-``e`` (entries in the draft's cache). Caches get G spare slots beyond the capacity (the verify
-forward writes up to G+1 tokens past the committed length); the draft's cache is twice as long,
-since a ragged catch-up writes padding past short rows.
+feat[0] = 0), host-side ``n`` (policy cache length) and ``e`` (entries in the draft's cache).
+Caches get G spare slots beyond the capacity (the verify forward writes up to G+1 tokens past the
+committed length); the draft's cache is twice as long, since a ragged catch-up writes padding
+past short rows.
 
 Outputs are the plain engine's `Completion`s (tokens, policy logprobs under the sampling
 distribution, finish reasons) plus `SpeculationStats`.
@@ -39,7 +39,6 @@ from collections import deque
 from typing import Collection
 
 import torch
-from torch import Tensor
 
 from cospec.config import SamplingConfig
 from cospec.data.tokenizer import EOS
@@ -103,10 +102,9 @@ class SpeculativeEngine(GenerationEngine):
         device = self.cache.lengths_B.device
         history = self.capacity + gamma + 1
         self.seq_BS = torch.zeros(batch_size, history, dtype=torch.long, device=device)
-        F = self.drafter.feature_size
-        p = next(model.parameters())
-        self.feat_BSF = (torch.zeros(batch_size, history, F, dtype=p.dtype, device=device)
-                         if F else None)
+        self.all_rows_B = torch.arange(batch_size, device=device)
+        F, dtype = self.drafter.feature_size, next(model.parameters()).dtype
+        self.feat_BSF = torch.zeros(batch_size, history, F, dtype=dtype, device=device) if F else None
         self._calibrated = False
 
     @property
@@ -119,8 +117,7 @@ class SpeculativeEngine(GenerationEngine):
                  progress: bool = False) -> SpeculativeResult:
         """As `GenerationEngine.generate`, plus ``stats`` (`SpeculationStats`)."""
         if self.controller is not None and not self._calibrated:
-            with torch.inference_mode():
-                calibrate(self)
+            calibrate(self)
             self._calibrated = True
         self.stats = SpeculationStats(reached=[0] * self.gamma, accepted=[0] * self.gamma)
         if self.controller is not None:
@@ -130,10 +127,7 @@ class SpeculativeEngine(GenerationEngine):
         self._steps_drafted = 0
         result = super().generate(prompts, sampling, generator=generator, seeds=seeds,
                                   progress=progress)
-        sums = self._overshoot.tolist()
-        self.stats.overshoot_by_position = [
-            {"log_q_over_p": sums[0][j] / sums[3][j], "frac_q_above_p": sums[1][j] / sums[3][j],
-             "mass": sums[2][j] / sums[3][j]} if sums[3][j] else {} for j in range(self.gamma)]
+        self.stats.set_overshoot(self._overshoot.tolist())
         return SpeculativeResult(**vars(result), stats=self.stats)
 
     # ------------------------------------------------------------------------- the loop
@@ -170,12 +164,11 @@ class SpeculativeEngine(GenerationEngine):
             self.stats.other_seconds += other_s
             if self.controller is not None and self._step_timed:
                 # The step's sampling, acceptance test and bookkeeping grow with gamma too: they
-                # count as part of the verify cost of (N, gamma + 1).
+                # count as part of the verify cost of (N, gamma + 1); and the whole step is seen.
                 self.controller.cost.observe_verify(len(active), gamma + 1, verify_s + other_s)
-        counts = [self.row_counts[i] for i in range(len(prompts))]
-        self.stats.per_row_accept_length = [c[1] / max(c[0], 1) for c in counts]
-        self.stats.per_row_judged = [c[2] for c in counts]
-        self.stats.per_row_accepted = [c[3] for c in counts]
+                self.controller.observe_step(len(active), gamma, draft_s + verify_s + other_s,
+                                             self._emitted, self._kept)
+        self.stats.set_rows([self.row_counts[i] for i in range(len(prompts))])
         return done, self.num_forwards
 
     def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
@@ -210,8 +203,9 @@ class SpeculativeEngine(GenerationEngine):
         """One decode step of the active slots at `gamma`; returns (draft, verify) seconds."""
         device = self.seq_BS.device
         rows_t = None if len(active) == self.batch_size else torch.tensor(active, device=device)
-        rows_N = torch.tensor(active, device=device)
-        n_N = torch.tensor([self.n[s] for s in active], device=device)
+        rows_N = self.all_rows_B if rows_t is None else rows_t
+        # n of each row is its policy cache length: read there, no host-to-device copy
+        n_N = self.cache.lengths_B.clone() if rows_t is None else self.cache.lengths_B[rows_t]
         bind_streams(generator, rows_N)
         t0 = synced_time(self.seq_BS)
         self._drafted = 0  # tokens the draft proposed this step
@@ -219,27 +213,23 @@ class SpeculativeEngine(GenerationEngine):
             draft_NG, q = self._draft(active, rows_t, rows_N, n_N, gamma, sampling, generator)
             gamma = draft_NG.shape[1]  # the verify length: a block's confidence may cut it
         t1 = synced_time(self.seq_BS)
-        pending_N = self.seq_BS[rows_N, n_N]
-        tokens_NT = pending_N[:, None] if gamma == 0 else torch.cat([pending_N[:, None], draft_NG], 1)
+        if gamma == 0:  # plain decoding: chosen, or a block's confidences cut every draft
+            return t1 - t0, self._plain_step(active, rows_t, rows_N, n_N, sampling, generator,
+                                             done, on_finish)
+        tokens_NT = torch.cat([self.seq_BS[rows_N, n_N][:, None], draft_NG], 1)
         self.cache.expect_longest(max(self.n[s] for s in active))
         out = score_tokens(self.forward, self.cache, tokens_NT, rows_t,
                            tap_layers=self.drafter.tap_layers)
         t2 = synced_time(self.seq_BS)
-        N, T = out.logits.shape[:2]
-        if gamma == 0:  # the plain engine's draw, to the bit: same tokens for the same generator
-            ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
-            num_accepted, emitted_NT = torch.zeros_like(ids_N), ids_N[:, None]
-            logprobs_NT = logprobs_N[:, None]
-        else:
-            dist = SamplingDistribution(out.logits, sampling)  # warped once
-            verdict = verify_drafts(dist, q, draft_NG, generator, check=False)
-            self._steps_drafted += 1
-            if self._steps_drafted % self.overshoot_every == 0:
-                self._add_overshoot(dist.probs[:, :gamma], q.probs, draft_NG)
-            num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
-            logprobs_NT = dist.logprobs(emitted_NT)
+        dist = SamplingDistribution(out.logits, sampling)  # warped once
+        verdict = verify_drafts(dist, q, draft_NG, generator, check=False)
+        self._steps_drafted += 1
+        if self._steps_drafted % self.overshoot_every == 0:
+            self._overshoot[:, :gamma] += overshoot_sums(dist.probs[:, :gamma], q.probs, draft_NG)
+        num_accepted, emitted_NT = verdict.num_accepted, verdict.tokens
+        logprobs_NT = dist.logprobs(emitted_NT)
         # Histories: tokens at n+1.., the features of positions n.. at entries n+1..
-        cols_NT = n_N[:, None] + 1 + torch.arange(T, device=device)
+        cols_NT = n_N[:, None] + 1 + torch.arange(gamma + 1, device=device)
         self.seq_BS[rows_N[:, None], cols_NT] = emitted_NT
         if self.feat_BSF is not None:
             self.feat_BSF[rows_N[:, None], cols_NT] = self.drafter.features(out.taps).to(
@@ -247,22 +237,41 @@ class SpeculativeEngine(GenerationEngine):
         self.cache.truncate(n_N + 1 + num_accepted, rows_t)  # keep s_n and the accepted drafts
         # The step's one host read: the counts, tokens and logprobs to record, and the finiteness
         # verdict, in one copy.
-        flag = verdict.nonfinite if gamma else num_accepted.new_zeros(())
         emitted, lps, ks, (nonfinite,) = host_rows(emitted_NT, logprobs_NT, num_accepted[:, None],
-                                                   flag.view(1, 1))
+                                                   verdict.nonfinite.view(1, 1))
         ks, nonfinite = [k for (k,) in ks], nonfinite[0]
         if nonfinite:
-            raise NonFiniteError(nonfinite_message(nonfinite, self._where(gamma)))
-        self._account(active, gamma, ks, t1 - t0, t2 - t1)
+            raise NonFiniteError(nonfinite_message(nonfinite, (
+                f"policy forward {self.num_forwards + 1} of this generate call (gamma {gamma}, "
+                f"draft: {type(self.drafter).__name__})")))
+        self._account(active, gamma, ks)
         for s, k in zip(active, ks):
             self.n[s] += k + 1
         self._record(active, [row[:k + 1] for row, k in zip(emitted, ks)],
                      [row[:k + 1] for row, k in zip(lps, ks)], sampling, done, on_finish)
         return t1 - t0, t2 - t1
 
-    def _where(self, gamma: int) -> str:
-        return (f"policy forward {self.num_forwards + 1} of this generate call (gamma {gamma}, "
-                f"draft: {type(self.drafter).__name__})")
+    def _plain_step(self, active, rows_t, rows_N, n_N, sampling, generator, done,
+                    on_finish) -> float:
+        """A step at G = 0: the plain engine's (one token per row, the same draw from the same
+        generator, one host read), plus the histories a later drafting step reads (the token and
+        the forward's taps); no draft call, no rollback. Returns the forward's seconds."""
+        t0 = synced_time(self.seq_BS)
+        self.cache.expect_longest(max(self.n[s] for s in active))
+        out = score_tokens(self.forward, self.cache, self.seq_BS[rows_N, n_N][:, None], rows_t,
+                           tap_layers=self.drafter.tap_layers)
+        t1 = synced_time(self.seq_BS)
+        ids_N, logprobs_N = sample_tokens(out.logits[:, 0], sampling, generator)
+        self.seq_BS[rows_N, n_N + 1] = ids_N
+        if self.feat_BSF is not None:
+            self.feat_BSF[rows_N, n_N + 1] = self.drafter.features(out.taps)[:, 0].to(
+                self.feat_BSF.dtype)
+        ids, lps = host_rows(ids_N[:, None], logprobs_N[:, None])
+        self._account(active, 0, [0] * len(active))
+        for s in active:
+            self.n[s] += 1
+        self._record(active, ids, lps, sampling, done, on_finish)
+        return t1 - t0
 
     def _draft_prefill(self, rows: list[int]) -> None:
         """Feed the draft every entry but the pending one of rows it has not seen at all (new
@@ -357,20 +366,10 @@ class SpeculativeEngine(GenerationEngine):
              else HeadProbs(q_NGD, ids, self.model.config.vocab_size, self.head_index_V))
         return drafts, q
 
-    def _account(self, active, gamma, ks, draft_s, verify_s) -> None:
+    def _account(self, active, gamma, ks) -> None:
         st = self.stats
-        st.gamma_counts[gamma] = st.gamma_counts.get(gamma, 0) + 1
-        st.row_steps += len(active)
-        st.step_tokens += sum(ks) + len(ks)
-        for s, k in zip(active, ks):
-            counts = self.row_counts[self.slots[s].index]
-            counts[0] += 1
-            counts[1] += k + 1
-            counts[2] += min(k + 1, gamma)
-            counts[3] += k
-            for j in range(min(k + 1, gamma)):
-                st.reached[j] += 1
-                st.accepted[j] += j < k
+        st.add_step(gamma, ks, [self.row_counts[self.slots[s].index] for s in active])
+        self._emitted = sum(ks) + len(ks)
         self._step_timed = self._graphs_before == graphs_called(self)  # else it timed a compile
         if self.controller is not None:
             plain_step = self.controller.cost.verify_cost(len(active), 1)
@@ -387,14 +386,15 @@ class SpeculativeEngine(GenerationEngine):
             if gamma > 0:
                 self.controller.observe_acceptance(gamma, ks)
 
-    def _add_overshoot(self, p_NGV: Tensor, q_NGV: Tensor, draft_NG: Tensor) -> None:
-        self._overshoot[:, :draft_NG.shape[1]] += overshoot_sums(p_NGV, q_NGV, draft_NG)
-
     def _record(self, slots, tokens, logprobs, sampling, done, on_finish) -> None:
         check_logprobs_finite([lp for lps in logprobs for lp in lps], self.num_forwards + 1)
+        self._kept = 0  # of the tokens, those appended (none past a row's stop token)
         for s, toks, lps in zip(slots, tokens, logprobs):
             row = self.slots[s]
-            if append_until_finished(row, toks, lps, max_new_tokens=sampling.max_new_tokens,
-                                     capacity=self.capacity, stop_ids=self.stop_ids):
+            self._kept -= len(row.tokens)
+            finished = append_until_finished(row, toks, lps, max_new_tokens=sampling.max_new_tokens,
+                                             capacity=self.capacity, stop_ids=self.stop_ids)
+            self._kept += len(row.tokens)
+            if finished:
                 done[row.index], self.slots[s] = row, None
                 on_finish()

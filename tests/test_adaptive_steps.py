@@ -1,0 +1,144 @@
+"""The adaptive controller judges whole steps, not only forwards (cospec.rollout.adaptive,
+"Whole steps"): what a speculative step costs beyond its forwards, and the tokens it drafts past a
+stop, switch speculation off where the forwards alone say it pays."""
+
+import pytest
+import torch
+
+from cospec.config import ModelConfig, SamplingConfig
+from cospec.models.draft import Eagle3Draft
+from cospec.models.llama import Transformer
+from cospec.rollout.adaptive import AdaptiveGamma, CostModel
+from cospec.rollout.speculative import SpeculativeEngine
+
+
+def forward_costs(batch_sizes=(1, 8, 64), gamma_max=4) -> CostModel:
+    """A policy forward costs 10 ms + 0.3 ms per token (N * T); a draft call 1 ms + 0.05 ms per
+    entry: at one row, drafting pays."""
+    cost = CostModel()
+    for n in batch_sizes:
+        for t in range(1, gamma_max + 2):
+            cost.observe_verify(n, t, 0.010 + 0.0003 * n * t)
+            cost.observe_draft(n, t, 0.001 + 0.00005 * n * t)
+    return cost
+
+
+def good_draft_controller(**kw) -> AdaptiveGamma:
+    ctl = AdaptiveGamma(4, forward_costs(), probe_every=1000, **kw)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [4, 4, 3, 4])
+    return ctl
+
+
+def take_steps(ctl: AdaptiveGamma, n: int, steps: int, slowdown: float) -> list[int]:
+    """`steps` choices at n rows, each step measured at `slowdown` x the forwards' cost."""
+    picks = []
+    for _ in range(steps):
+        g = ctl.choose(n)
+        picks.append(g)
+        predicted = ctl.last_choice[2]
+        ctl.observe_step(n, g, slowdown * predicted if g else predicted, emitted=n * 4, kept=n * 4)
+    return picks
+
+
+def test_steps_that_cost_what_the_forwards_say_leave_the_choice_alone():
+    ctl = good_draft_controller()
+    first = ctl.choose(1)
+    ctl.observe_step(1, first, ctl.last_choice[2], emitted=4, kept=4)
+    assert first == 4 and ctl.correction(1, 4) == pytest.approx(1.0)
+    assert take_steps(ctl, 1, 20, slowdown=1.0) == [4] * 20
+
+
+def test_speculative_steps_slower_than_their_forwards_switch_speculation_off():
+    ctl = good_draft_controller()
+    rate_before = ctl.throughput(1, 4)
+    # Each speculative step takes 3x its forwards (say, the draft prefills of refilled rows):
+    # the moving average of S / cost(N, G) climbs, and the predicted rate falls with it.
+    picks = take_steps(ctl, 1, 30, slowdown=3.0)
+    assert picks[0] == 4 and picks[-10:] == [0] * 10
+    assert ctl.correction(1, picks[0]) > 2.0
+    assert ctl.throughput(1, 4) < rate_before / 2
+
+
+def test_a_correction_measured_at_one_gamma_carries_to_the_other_gammas_at_that_batch_only():
+    ctl = good_draft_controller()
+    ctl.step_correction = {3: {1: 1.5}}
+    assert ctl.correction(1, 3) == 1.5
+    assert ctl.correction(1, 2) == 1.5 and ctl.correction(1, 4) == 1.5  # unmeasured: G = 3's
+    assert ctl.correction(1, 0) == 1.0  # plain decoding is not speculation
+    assert ctl.correction(64, 3) == 1.0  # another batch size: unmeasured
+
+
+def test_a_step_the_controller_did_not_choose_does_not_move_the_correction():
+    ctl = good_draft_controller()
+    ctl.choose(1)
+    ctl.observe_step(8, 4, 100.0, emitted=40, kept=40)  # another row count than chosen
+    ctl.observe_step(1, 4, 100.0, emitted=5, kept=5)  # the choice was spent on the step above
+    assert ctl.step_correction == {}
+
+
+def test_one_stalled_step_moves_the_correction_by_at_most_a_clamped_amount():
+    ctl = good_draft_controller()
+    ctl.choose(1)
+    ctl.observe_step(1, 4, 1e6 * ctl.last_choice[2], emitted=5, kept=5)  # the OS stalled it
+    assert ctl.correction(1, 4) == 3.0
+
+
+def test_tokens_drafted_past_a_stop_count_against_speculation():
+    ctl = good_draft_controller()
+    before = ctl.throughput(1, 4)
+    for _ in range(200):  # of every 5 tokens a step emits, 1 is kept
+        ctl.observe_step(1, 4, 0.02, emitted=5, kept=1)
+    assert ctl.kept_fraction(4) == pytest.approx(0.2)
+    assert ctl.kept_fraction(0) == 1.0  # plain decoding keeps every token
+    assert ctl.throughput(1, 4) == pytest.approx(0.2 * before)
+    assert ctl.choose(1) == 0
+
+
+def test_probes_space_out_while_speculation_stays_off_and_reset_when_it_pays():
+    ctl = AdaptiveGamma(4, forward_costs(), probe_every=4)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [0] * 8)  # a useless draft: plain, with probes
+    probes = [i + 1 for i, g in enumerate(ctl.choose(1) for _ in range(30)) if g]
+    assert probes == [4, 12, 28] and ctl.probe_interval == 32
+    for _ in range(50):
+        ctl.observe_acceptance(4, [4] * 8)  # the draft got good (co-training): speculation pays
+    assert ctl.choose(1) > 0 and ctl.probe_interval == 4
+
+
+# ----------------------------------------------------------------------------- in the engine
+
+CFG = ModelConfig(vocab_size=50, hidden_size=32, num_layers=4, num_heads=4, num_kv_heads=2,
+                  intermediate_size=64, max_seq_len=64)
+
+
+class Recorder(AdaptiveGamma):
+    """The adaptive controller, recording what the engine reports of every whole step."""
+
+    def __init__(self, *args, **kw):
+        super().__init__(*args, **kw)
+        self.steps = []
+
+    def observe_step(self, n, gamma, seconds, emitted, kept):
+        self.steps.append((n, gamma, seconds, emitted, kept))
+        super().observe_step(n, gamma, seconds, emitted, kept)
+
+
+def test_the_engine_reports_each_whole_step_with_the_tokens_it_kept():
+    torch.manual_seed(0)
+    policy, draft = Transformer(CFG).eval(), Eagle3Draft.from_policy(Transformer(CFG)).eval()
+    ctl = Recorder(3, probe_every=2)
+    engine = SpeculativeEngine(policy, draft, batch_size=3, gamma=3, controller=ctl, stop_ids=(7,))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12]]
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    out = engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(0))
+    st = out.stats
+    assert len(ctl.steps) == sum(st.gamma_counts.values())  # every step, none twice
+    assert {g for _, g, *_ in ctl.steps} == set(st.gamma_counts)
+    assert all(0 < kept <= emitted for *_, emitted, kept in ctl.steps)
+    assert sum(e for *_, e, _ in ctl.steps) == st.step_tokens  # emitted: k + 1 per row
+    # kept tokens: every response token but each row's first (sampled at its prefill)
+    assert sum(k for *_, k in ctl.steps) == out.num_tokens - len(prompts)
+    # the step's seconds are its draft + verify + other seconds (the refills are apart)
+    assert 0 < sum(s for _, _, s, *_ in ctl.steps) <= (st.draft_seconds + st.verify_seconds
+                                                       + st.other_seconds)
