@@ -77,8 +77,19 @@ def test_a_step_the_controller_did_not_choose_does_not_move_the_correction():
     assert ctl.step_correction == {}
 
 
+def test_the_step_that_switches_drafting_on_is_not_taken_for_the_cost_of_speculating():
+    """Its catch-up covers every plain step before it: a price of switching, which the margin
+    covers. Counted, it would keep speculation off after every probe."""
+    ctl = good_draft_controller()
+    assert take_steps(ctl, 1, 1, slowdown=3.0) == [4]  # after plain steps (none yet)
+    assert ctl.step_correction == {}
+    take_steps(ctl, 1, 1, slowdown=1.5)  # the next one is a speculative step like any other
+    assert ctl.correction(1, 4) == pytest.approx(1.5)
+
+
 def test_one_stalled_step_moves_the_correction_by_at_most_a_clamped_amount():
     ctl = good_draft_controller()
+    ctl.last_gamma = 4  # amid speculative steps
     ctl.choose(1)
     ctl.observe_step(1, 4, 1e6 * ctl.last_choice[2], emitted=5, kept=5)  # the OS stalled it
     assert ctl.correction(1, 4) == 3.0
@@ -142,3 +153,26 @@ def test_the_engine_reports_each_whole_step_with_the_tokens_it_kept():
     # the step's seconds are its draft + verify + other seconds (the refills are apart)
     assert 0 < sum(s for _, _, s, *_ in ctl.steps) <= (st.draft_seconds + st.verify_seconds
                                                        + st.other_seconds)
+
+
+def test_while_drafting_a_plain_step_is_taken_now_and_then_to_keep_its_cost_measured():
+    ctl = AdaptiveGamma(4, forward_costs(), probe_every=4)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [4] * 8)  # speculation pays at one row
+    plain_steps = [i + 1 for i, g in enumerate(ctl.choose(1) for _ in range(90)) if g == 0]
+    assert plain_steps == [4, 12, 28, 44, 60, 76]  # spaced out: 4, 8, then at most every 16
+
+
+def test_a_plain_step_measured_slower_than_its_calibration_makes_speculation_win_again():
+    """The mirror of the switch-off case: the compiled engine's measured trap, where plain
+    decoding was known only from a few slow early steps (c(1, 0) = 1.7) and speculation was
+    chosen at 0.83x of plain."""
+    ctl = AdaptiveGamma(4, forward_costs(), probe_every=4)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [0] * 8)  # a poor draft: plain wins
+    ctl.step_correction = {0: {1: 1.7}, 1: {1: 1.0}}  # plain steps wrongly thought slow
+    take_steps(ctl, 1, 1, slowdown=1.0)
+    # plain steps measured at their forwards' cost bring c(1, 0) back down
+    picks = take_steps(ctl, 1, 120, slowdown=1.0)
+    assert ctl.correction(1, 0) < 1.05
+    assert sum(g > 0 for g in picks[-30:]) <= 2  # plain, but for the spaced-out probes

@@ -132,6 +132,9 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "accept_length": tau, "ideal_speedup": ideal, "measured_over_ideal": speedup / ideal,
             "acceptance_by_position": last.acceptance_by_position,
             "adaptive_gamma_counts": {str(k): v for k, v in sorted(gamma_mix.items())},
+            # c(N, G) after the run: measured whole-step seconds over the forwards' cost
+            "adaptive_step_correction": {str(g): {str(n): c for n, c in sorted(t.items())}
+                                         for g, t in sorted(controller.step_correction.items())},
             "spec_time_split": {"draft": last.draft_seconds, "verify": last.verify_seconds,
                                 "other": last.other_seconds},
             "verify_cost_ratio": cost.verify_cost(batch_size, gamma + 1) / cost.verify_cost(batch_size, 1),

@@ -29,13 +29,18 @@ Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a
 every step's measured time; N between measured points is interpolated linearly. Acceptance is a
 decayed count per position, so it follows a draft that co-training improves; while G = 0 nothing is
 measured, so after ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max), and
-after twice as many the next time, up to 16 times as many, while speculation stays off.
+after twice as many the next time, up to 16 times as many, while speculation stays off. Mirrored:
+while it drafts, plain steps go unmeasured, so after ``probe_every`` drafting steps it takes one
+plain step, spaced out the same way while drafting stays on but only up to 4 times as many (a
+plain step among drafting ones costs little; a plain cost known wrong keeps speculation on where
+it loses).
 
-Whole steps. The sum above leaves out what a speculative step pays besides its forwards: the
+Whole steps (docs/design.md, "Adaptive gamma on whole steps"). The sum above leaves out what a speculative step pays besides its forwards: the
 catch-up is as wide as the step's widest row (not E(G)), rows refilled while the draft was off
 are prefilled into it when drafting resumes, and tokens drafted past a row's stop token are thrown
 away. So each step's wall time S (choice to bookkeeping, refills excluded) and its kept tokens K
-of the E emitted are observed too, and the choice uses
+of the E emitted are observed too (S not for a step that switches drafting on after plain steps:
+its catch-up over them is the price of switching, which the margin covers), and the choice uses
     rate(N, G) = N * E(G) * f(G) / (cost(N, G) * c(N, G)),
 c(N, G) = an exponential moving average of S / cost(N, G) over the steps taken at G with ~N rows
 (1 until one is; at an unmeasured G >= 1 the mean of the measured G >= 1 at that N), and
@@ -163,6 +168,7 @@ class AdaptiveGamma:
         self.accepted = [0.0] * gamma_max  # of those, rows that accepted it
         self.steps_at_zero = 0
         self.probe_interval = probe_every  # plain steps before the next probe (see `_choose`)
+        self.steps_drafting, self.plain_probe_interval = 0, probe_every  # and the mirror probe
         self.block_drafter = False  # set by the engine: the draft proposes a block per forward
         # Whole-step calibration (module docstring): c(N, G) as G -> {bucket(N): S / cost},
         # and per G the decayed kept and emitted token counts of f(G).
@@ -170,6 +176,7 @@ class AdaptiveGamma:
         self.kept = [0.0] * (gamma_max + 1)
         self.emitted = [0.0] * (gamma_max + 1)
         self.last_choice: tuple[int, int, float | None] | None = None  # (N, G, cost(N, G))
+        self.last_gamma = 0  # of the step observed last
 
     def acceptance(self) -> list[float]:
         """Current estimate of a_j for j = 1..gamma_max."""
@@ -230,11 +237,18 @@ class AdaptiveGamma:
     def observe_step(self, n: int, gamma: int, seconds: float, emitted: int, kept: int) -> None:
         """A whole step of n rows at `gamma` took `seconds` and kept `kept` of the `emitted`
         tokens; its S / cost(N, G) updates c(N, G) when this controller chose that step (it
-        holds the cost it predicted then, before the step's own forwards were observed)."""
+        holds the cost it predicted then, before the step's own forwards were observed), unless
+        it switched drafting on after plain steps."""
         self.kept[gamma] = self.decay * self.kept[gamma] + kept
         self.emitted[gamma] = self.decay * self.emitted[gamma] + emitted
         chosen, self.last_choice = self.last_choice, None
+        switched_on, self.last_gamma = gamma > 0 and self.last_gamma == 0, gamma
         if chosen is None or chosen[:2] != (n, gamma) or not chosen[2]:
+            return
+        if switched_on:
+            # The first drafting step after plain ones catches the draft up on all of them: a
+            # price of switching (the margin's), not of speculating; counted here, it would keep
+            # speculation off after every probe.
             return
         # Clamped: one step stalled by the OS must not switch speculation off for many steps.
         ratio = min(max(seconds / chosen[2], 0.5), 3.0)
@@ -263,6 +277,7 @@ class AdaptiveGamma:
         if known[best] < (1 + self.margin) * known[0]:
             best = 0
         if best == 0:
+            self.steps_drafting, self.plain_probe_interval = 0, self.probe_every
             self.steps_at_zero += 1
             if self.steps_at_zero >= self.probe_interval:
                 self.steps_at_zero = 0
@@ -274,6 +289,14 @@ class AdaptiveGamma:
         else:
             self.steps_at_zero = 0
             self.probe_interval = self.probe_every
+            self.steps_drafting += 1
+            if self.steps_drafting >= self.plain_probe_interval:
+                # The mirror probe: while drafting, plain steps go unmeasured, and a plain-step
+                # cost known only from calibration (or a few early steps) may be far off.
+                self.steps_drafting = 0
+                self.plain_probe_interval = min(2 * self.plain_probe_interval,
+                                                4 * self.probe_every)
+                return 0
         return best
 
     def _could_pay(self, n: int, plain_rate: float) -> bool:
