@@ -35,18 +35,19 @@ plain step, spaced out the same way while drafting stays on but only up to 4 tim
 plain step among drafting ones costs little; a plain cost known wrong keeps speculation on where
 it loses).
 
-Whole steps (docs/design.md, "Adaptive gamma on whole steps"). The sum above leaves out what a speculative step pays besides its forwards: the
-catch-up is as wide as the step's widest row (not E(G)), rows refilled while the draft was off
-are prefilled into it when drafting resumes, and tokens drafted past a row's stop token are thrown
-away. So each step's wall time S (choice to bookkeeping, refills excluded) and its kept tokens K
-of the E emitted are observed too (S not for a step that switches drafting on after plain steps:
-its catch-up over them is the price of switching, which the margin covers), and the choice uses
+Whole steps (docs/design.md, "Adaptive gamma on whole steps"). The sum above leaves out what a
+speculative step pays besides its forwards: the catch-up is as wide as the step's widest row (not
+E(G)), rows refilled while the draft was off are prefilled into it when drafting resumes, and
+tokens drafted past a row's stop token are thrown away. So each step's wall time S (choice to
+bookkeeping, refills excluded) and its kept tokens K of the E emitted are observed too (S not for
+a step that switches drafting on after plain steps: its catch-up over them is the price of
+switching, which the margin covers), and the choice uses
     rate(N, G) = N * E(G) * f(G) / (cost(N, G) * c(N, G)),
 c(N, G) = an exponential moving average of S / cost(N, G) over the steps taken at G with ~N rows
 (1 until one is; at an unmeasured G >= 1 the mean of the measured G >= 1 at that N), and
 f(G) = decayed sum K / decayed sum E (at an unmeasured G >= 1, pooled over the speculative
-steps; 1 at G = 0, where every emitted token is kept). The
-forwards' table still carries how costs grow with N and T; the corrections carry what it misses.
+steps; 1 at G = 0, where every emitted token is kept). The forwards' table still carries how
+costs grow with N and T; the corrections carry what it misses.
 """
 
 from __future__ import annotations
