@@ -3,6 +3,12 @@ plain, adaptive and fixed-gamma-4 tokens/s on 128 default prompts at the given b
 (`python docs/results/worked/adaptive_by_rows.py 64`), 3 interleaved repeats after a warm-up,
 the adaptive controller's gamma per step counted by active rows (16-row groups above batch 16),
 and its whole-step corrections c(N, G) and kept fractions f(G) after the run."""
+
+import collections
+import random
+import sys
+import time
+
 import torch
 import cospec.rollout.adaptive as adaptive
 from cospec.config import resolve
