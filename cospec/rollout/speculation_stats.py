@@ -47,11 +47,6 @@ class SpeculationStats:
         self.gamma_counts[gamma] = self.gamma_counts.get(gamma, 0) + 1
         self.row_steps += len(ks)
         self.step_tokens += sum(ks) + len(ks)
-        if gamma == 0:  # plain decoding: a token a row (the common case at large batch)
-            for counts in row_counts:
-                counts[0] += 1
-                counts[1] += 1
-            return
         for k, counts in zip(ks, row_counts):
             judged = min(k + 1, gamma)  # drafts up to the first rejection
             counts[0] += 1
