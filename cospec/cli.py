@@ -74,9 +74,36 @@ def cmd_plan(args) -> int:
     cfg = _resolve(args)  # a model.path checkpoint gives the architecture (its config.json only)
     if args.context is not None and args.context < 1:
         raise ConfigError(f"--context: must be >= 1, got {args.context}")
+    if args.context is not None and args.lengths:
+        raise ConfigError("--context and --lengths: give one of them")
+    if args.lengths:
+        lengths = _rollout_lengths(args.lengths, cfg)
+        shown = f"{min(lengths)}-{max(lengths)} (mean {sum(lengths) / len(lengths):.0f})"
+        print(format_plan(cfg, plan(cfg, lengths=lengths), shown))
+        return 0
     context = args.context or cfg.model.max_seq_len
     print(format_plan(cfg, plan(cfg, context=context), context))
     return 0
+
+
+def _rollout_lengths(path: str, cfg: RunConfig) -> list[int]:
+    """The step's rollout lengths from a file of integers (whitespace or commas between them),
+    in order, repeated to fill the step's rollouts."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ConfigError(f"--lengths: cannot read {path}: {e.strerror}") from e
+    words = text.replace(",", " ").split()
+    bad = [w for w in words if not w.isdigit() or int(w) < 1]
+    if not words or bad:
+        raise ConfigError(f"--lengths: {path} must hold positive integers (tokens per rollout), "
+                          + (f"found {bad[0]!r}" if bad else "found none"))
+    given = [int(w) for w in words]
+    if max(given) > cfg.model.max_seq_len:
+        raise ConfigError(f"--lengths: a rollout of {max(given)} tokens is longer than "
+                          f"model.max_seq_len={cfg.model.max_seq_len}")
+    rollouts = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    return [given[k % len(given)] for k in range(rollouts)]
 
 
 def cmd_sft(args) -> int:
@@ -291,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
     pl = _command(sub, "plan", cmd_plan, "memory per rank and collective bytes per step of a run, "
                   "from formulas (model, context, batch and mesh from the config)", reuse=False)
     pl.add_argument("--context", type=int, default=None,
-                    help="tokens per sequence, prompt and response (default model.max_seq_len)")
+                    help="tokens of every sequence, prompt and response (default "
+                    "model.max_seq_len; with ragged rollouts, give the longest)")
+    pl.add_argument("--lengths", metavar="FILE",
+                    help="tokens of each rollout of a step, integers in a file (e.g. from a pilot "
+                    "run), repeated in order to fill the step: the activations' exact peak")
     _command(sub, "sft", cmd_sft, "supervised fine-tuning of the policy on the task suite",
              reuse=False)
     ev = _command(sub, "eval", cmd_eval, "accuracy and response lengths by prompt family and temperature")

@@ -1,13 +1,14 @@
 """Specification of `cospec plan` (cospec.parallel.plan): its formulas against what real runs hold.
 
 Oracles, all counted on live objects, never derived from the planner's own formulas:
-- activations: the bytes autograd saves for backward in a policy forward plus the GRPO loss,
-  counted with `torch.autograd.graph.saved_tensors_hooks` (one storage counted once, parameters
-  excluded);
+- activations: the bytes autograd saves for backward in a policy forward plus the GRPO loss, and
+  in each kind of pipeline stage, counted with `torch.autograd.graph.saved_tensors_hooks` (one
+  storage counted once, parameters excluded);
 - a trainer step under dp = 2, pp = 2, cp = 2 and dp = 2 x pp = 2, on every rank: the local bytes
-  of its parameter, gradient, AdamW and reference shards, and the bytes it received through
-  FSDP2's all-gathers and reduce-scatters and the pipeline's transfers, counted by wrapping
-  `torch.distributed`'s functions;
+  of its parameter, gradient, AdamW and reference shards, the live peak of its saved
+  activations (`SavedActivations`) for its own ragged rollouts, and the bytes it received
+  through FSDP2's all-gathers and reduce-scatters and the pipeline's transfers, counted by
+  wrapping `torch.distributed`'s functions;
 - a speculative engine: the bytes of its weights, KV caches and feature history.
 """
 
@@ -18,16 +19,23 @@ import torch.distributed as dist
 from cospec.cli import main
 from cospec.config import ModelConfig, resolve
 from cospec.models.llama import Transformer
+from cospec.metrics.saved_activations import SavedActivations
 from cospec.parallel.launch import spawn
-from cospec.parallel.plan import activation_floats_per_token, plan
+from cospec.parallel.pipeline import build_stage, split_layers
+from cospec.parallel.plan import activation_floats, activation_peak_bytes, plan
 from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
 
 
-def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: float) -> int:
-    """Bytes saved for backward by a forward of packed sequences of ``lengths`` and the GRPO loss."""
+def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: float,
+                stage: int = 0, num_stages: int = 1) -> int:
+    """Bytes saved for backward by a forward of packed sequences of ``lengths`` through pipeline
+    stage ``stage`` of ``num_stages`` (the embedding's on the first, the GRPO loss on the last)."""
     torch.manual_seed(0)
     model = Transformer(cfg)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    first, last = stage == 0, stage == num_stages - 1
+    part = model if num_stages == 1 else build_stage(
+        model, split_layers(cfg.num_layers, num_stages)[stage], stage=stage, num_stages=num_stages)
+    params = {p.untyped_storage().data_ptr() for p in part.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t):
@@ -38,15 +46,19 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
 
     T = sum(lengths)
     tokens = torch.randint(4, cfg.vocab_size, (T,))
+    targets = torch.randint(4, cfg.vocab_size, (T,))  # a storage of their own, as in training
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    mb = PolicyMinibatch(tokens=tokens, targets=tokens, cu_seqlens=cu, loss_mask=torch.ones(T),
+    mb = PolicyMinibatch(tokens=tokens, targets=targets, cu_seqlens=cu, loss_mask=torch.ones(T),
                          old_logprobs=torch.zeros(T), advantages=torch.ones(T), num_tokens=T)
     with torch.no_grad():
         ref = model(tokens[None], cu_seqlens=cu).logits[0] if kl else None
+    hidden = torch.randn(1, T, cfg.hidden_size, requires_grad=True)  # from the stage before
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = model(tokens[None], cu_seqlens=cu)
-        minibatch_terms(out.logits[0], ref, mb, temperature=temperature, clip_low=0.2,
-                        clip_high=0.2, kl_coef=0.05 if kl else 0.0)
+        out = part(tokens[None], cu_seqlens=cu) if first else part(None, inputs_embeds=hidden,
+                                                                   cu_seqlens=cu)
+        if last:
+            minibatch_terms(out.logits[0], ref, mb, temperature=temperature, clip_low=0.2,
+                            clip_high=0.2, kl_coef=0.05 if kl else 0.0)
     return sum(saved.values())
 
 
@@ -60,12 +72,24 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
 ])
 def test_the_activation_formula_is_what_the_model_saves_for_backward(shape, lengths, kl, temperature):
     cfg = ModelConfig(**{"num_layers": 2, "max_seq_len": 256, **shape})
-    T = sum(lengths)
-    ratio = len(lengths) * max(lengths) / T
-    formula = activation_floats_per_token(cfg, layers=cfg.num_layers, first=True, last=True,
-                                          kl=kl, padded_ratio=ratio) * 4 * T
+    formula = activation_floats(cfg, lengths, layers=cfg.num_layers, first=True, last=True,
+                                kl=kl) * 4
     measured = saved_bytes(cfg, lengths, kl=kl, temperature=temperature)
-    assert formula == pytest.approx(measured, rel=0.02), (formula, measured)
+    assert formula == measured
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_each_pipeline_stage_saves_what_the_formula_gives_it(stage):
+    """The first stage keeps the token ids, the last the final norm's and the head's inputs and
+    the loss, every stage its own RoPE tables and attention indices."""
+    cfg = ModelConfig(num_layers=4, max_seq_len=128, hidden_size=64, num_heads=4, num_kv_heads=2,
+                      intermediate_size=160, vocab_size=70)
+    lengths = [50, 20, 35]
+    layers = split_layers(cfg.num_layers, 3)[stage]
+    formula = activation_floats(cfg, lengths, layers=len(layers), first=stage == 0,
+                                last=stage == 2, kl=True) * 4
+    measured = saved_bytes(cfg, lengths, kl=True, temperature=1.0, stage=stage, num_stages=3)
+    assert formula == measured
 
 
 def _local_bytes(tensors) -> int:
@@ -135,7 +159,8 @@ def _counting_run(rank, world, out_dir, layout):
     try:
         batch_ = trainer_batch(trainer) if trainer.generates else None
         shared = trainer_inputs(trainer, batch_)
-        trainer.train_policy(shared)
+        with SavedActivations() as saved:
+            trainer.train_policy(shared)
         trainer.train_draft()
         trainer.sync_weights()
     finally:
@@ -154,11 +179,18 @@ def _counting_run(rank, world, out_dir, layout):
                            + _local_bytes(p.grad for p in trainer.draft.parameters()
                                           if p.grad is not None)
                            + _local_bytes(draft_state))
-    tokens = sum(len(c.prompt) + len(c.tokens) - 1 for c in shared.completions)  # trained positions
+    mine = [len(c.prompt) + len(c.tokens) - 1 for c in shared.completions]  # trained positions
+    lengths = [0] * (cfg.grpo.prompts_per_step * cfg.grpo.group_size)  # other replicas' unused
+    lengths[shared.first:shared.first + len(mine)] = mine
+    activations = {"measured": saved.peak_bytes, "planned": activation_peak_bytes(
+        cfg, lengths, stage=group.stage, replica=group.dp_rank)}
+    # the plan of this replica's rollouts: their own lengths when it is the only replica, else
+    # (the other replicas' lengths unknown here) their mean
+    kind = {"lengths": lengths} if group.dp == 1 else {"context": sum(mine) / len(mine)}
     taps = getattr(trainer.policy_step, "taps", None)
     counted["taps_sent"] = taps.bytes_sent if taps is not None else 0
-    return {"stage": group.stage, "memory": memory, "comm": counted,
-            "context": tokens / len(shared.completions)}
+    return {"stage": group.stage, "memory": memory, "comm": counted, "activations": activations,
+            "plan_of": kind}
 
 
 def trainer_inputs(trainer, batch):
@@ -191,21 +223,24 @@ def trainer_batch(trainer):
 def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, ranks):
     results = spawn(_counting_run, ranks, str(tmp_path), layout)
     if layout == "pp2":  # what stage 0 sent on TapChannel is what the last stage received
-        planned = plan(_layout_cfg(layout), context=results[1]["context"])[1]
+        planned = plan(_layout_cfg(layout), **results[1]["plan_of"])[1]
         assert planned.comm["taps"] > 0
         assert results[0]["comm"]["taps_sent"] == pytest.approx(planned.comm["taps"], rel=0.02)
     for r in results:
-        planned = plan(_layout_cfg(layout), context=r["context"])[r["stage"]]
+        planned = plan(_layout_cfg(layout), **r["plan_of"])[r["stage"]]
         for part, value in r["memory"].items():
             assert value == pytest.approx(planned.memory[part], rel=0.02), (r["stage"], part)
+        # the live peak of saved activations, for this replica's own ragged rollouts
+        assert r["activations"]["measured"] == pytest.approx(r["activations"]["planned"],
+                                                             rel=0.01), r["stage"]
         assert r["comm"]["all_gather"] == pytest.approx(planned.comm.get("fsdp_all_gather", 0),
                                                         rel=0.05)
         assert r["comm"]["reduce_scatter"] == pytest.approx(
             planned.comm.get("fsdp_reduce_scatter", 0), rel=0.05)
         assert r["comm"]["p2p"] == pytest.approx(planned.comm.get("pipeline", 0), rel=0.05)
-        # the ring: the zigzag chunks' padding adds a few percent the plan does not count
+        # the ring, the zigzag chunks' padding included
         ring = planned.comm.get("cp_ring", 0) + planned.comm.get("cp_ring_draft", 0)
-        assert r["comm"]["ring"] == pytest.approx(ring, rel=0.05)
+        assert r["comm"]["ring"] == pytest.approx(ring, rel=0.01)
 
 
 def test_the_engine_memory_is_what_a_speculative_engine_allocates():
@@ -237,3 +272,35 @@ def test_cospec_plan_prints_every_stage_and_refuses_a_bad_context(capsys):
     assert "fsdp_all_gather" in out and "pipeline" in out
     assert main(["plan", "--recipe", "tiny", "--context", "0"]) == 2
     assert "--context: must be >= 1" in capsys.readouterr().err
+
+
+def test_cospec_plan_reads_rollout_lengths_and_refuses_bad_ones(tmp_path, capsys):
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("40, 90\n25 64\n")
+    assert main(["plan", "--recipe", "tiny", "parallel.pp=2", "--lengths", str(lengths)]) == 0
+    out = capsys.readouterr().out
+    assert "rollouts of 25-90 (mean 55) tokens" in out
+    cfg = resolve("tiny", overrides=["parallel.pp=2"])
+    rollouts = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    expected = plan(cfg, lengths=[[40, 90, 25, 64][k % 4] for k in range(rollouts)])
+    assert f"{expected[1].memory['activations'] / 2 ** 30:10.3f}" in out
+    for text, error in [("12 x", "found 'x'"), ("", "found none"), ("0", "found '0'"),
+                        ("999", "longer than model.max_seq_len=128")]:
+        lengths.write_text(text)
+        assert main(["plan", "--recipe", "tiny", "--lengths", str(lengths)]) == 2
+        assert error in capsys.readouterr().err
+    assert main(["plan", "--recipe", "tiny", "--lengths", str(lengths), "--context", "9"]) == 2
+    assert "give one of them" in capsys.readouterr().err
+
+
+def test_ragged_rollouts_need_more_than_their_mean_length_and_less_than_their_longest():
+    """The plan of the rollouts' own lengths sits between the plan at their mean and at their
+    longest: padding to a row's longest sequence, and microbatches of unequal size."""
+    cfg = resolve("tiny", overrides=["parallel.pp=2", "parallel.microbatches=2"])
+    rollouts = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    lengths = [20 + (37 * k) % 100 for k in range(rollouts)]
+    mean = round(sum(lengths) / rollouts)
+    for s in range(2):
+        exact = plan(cfg, lengths=lengths)[s].memory["activations"]
+        assert plan(cfg, context=mean)[s].memory["activations"] < exact
+        assert exact < plan(cfg, context=max(lengths))[s].memory["activations"]

@@ -40,3 +40,23 @@ def pack_examples(encoded: list[tuple[list[int], list[int]]]) -> PackedBatch:
     return PackedBatch(tokens=torch.tensor([inputs]), targets=torch.tensor([targets]),
                        loss_mask=torch.tensor([mask], dtype=torch.float32),
                        cu_seqlens=torch.tensor(cu))
+
+
+def balanced_cuts(cu_seqlens: Tensor, parts: int) -> list[int]:
+    """Sequence indices [0, c_1, ..., n] that cut a packed row of n sequences into ``parts``
+    contiguous pieces of whole sequences, balanced in tokens: cut k is the sequence boundary
+    nearest to k T / parts (the earlier on a tie), kept so that every piece has a sequence.
+    Example: lengths 36, 43, 45, 43 in two parts cut at 2 (79 | 88 tokens), not at 3 (124 | 43),
+    the first boundary past T / 2; the pipeline's peak memory is its largest microbatch's."""
+    n = len(cu_seqlens) - 1
+    if not 1 <= parts <= n:
+        raise ValueError(f"cannot split {n} sequences into {parts} microbatches (need 1..{n}); "
+                         f"lower parallel.microbatches or raise the rollouts per minibatch")
+    bounds = cu_seqlens.to(torch.float64)
+    total = float(bounds[-1])
+    cuts = [0]
+    for k in range(1, parts):
+        nearest = int((bounds - total * k / parts).abs().argmin())  # argmin: the first of a tie
+        cuts.append(min(max(nearest, cuts[-1] + 1), n - (parts - k)))
+    cuts.append(n)
+    return cuts

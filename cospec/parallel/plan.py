@@ -15,12 +15,19 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
 - engine (a replica's generating rank): the policy and the draft in ``rollout.dtype``, the KV cache
   2 L B S Hkv D, the draft's cache, and the speculative engine's feature history B S F (F the
   draft's feature width);
-- activations saved for backward, per trained token (what this implementation saves, counted with
-  `torch.autograd.graph.saved_tensors_hooks`; `tests/test_plan.py` checks the formula):
-  per layer 7C + 4I + 2 in token layout and 2HD + 2HkvD + H in the padded [N, Lmax] layout of
-  the attention; outside the layers 3C + 2D + 7 (embedding, final norm, RoPE tables); the GRPO
-  loss V + 5, and 3V more with a KL penalty; all in fp32. Tokens in flight: a minibatch's tokens
-  over dp x cp, and under pp 1F1B's min(pp - stage, M) microbatches of M.
+- activations saved for backward (what this implementation saves, counted with
+  `cospec.metrics.saved_activations`; `tests/test_plan.py` checks the formula on every stage
+  kind and the peak of whole trainer steps), per microbatch of T tokens in N sequences of up to
+  Lmax, in fp32: per layer (7C + 4I + 2) T in token layout and (2HD + 2HkvD + H) N Lmax in the
+  attention's padded layout (ring attention under cp: T); per stage (2D + 2) T of RoPE tables and
+  2 T + 2 N Lmax of attention indices; the token ids 2 T on the first stage; on the last the
+  final norm's and the head's inputs (3C + 1) T and the GRPO loss (V + 7) T, 3 V T more with a KL
+  penalty. The peak: a minibatch at a time, its sequences as the trainer splits them (replica,
+  minibatch, pp microbatches balanced in tokens, cp zigzag padding), and under pp the
+  microbatches the schedule holds between their forward and backward. Given the rollouts'
+  lengths it is the trainer's peak; at one length for all, ragged rollouts exceed it (rows
+  padded to the longest, microbatches of more rows): size with the longest length, which bounded
+  every run measured in docs/results/parallel_grpo.md.
 Collective bytes per step (what one rank receives; the ring and tree algorithms move about as much
 as they receive):
 - FSDP2: every forward and backward of a minibatch all-gathers the stage ((n - 1) / n of its
@@ -32,8 +39,8 @@ as they receive):
   out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
 - cp ring: per layer and minibatch, a rank's K and V shards cp - 1 hops forward (the policy's, and
   the reference's with a KL) and backward, dK and dV cp hops; the draft's trunk K and V the same
-  per TTT step of each co-training update (padding of the zigzag chunks, a few percent, not
-  counted).
+  per TTT step of each co-training update; the shards hold the zigzag padding (each sequence
+  padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean rate).
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers), the draft's
 co-training activations (a separate, smaller peak after the policy step), allocator fragmentation,
 and mixed precision (grpo.autocast).
@@ -41,35 +48,85 @@ and mixed precision (grpo.autocast).
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from cospec.config import RunConfig
 from cospec.config.sections import ModelConfig
+from cospec.data.packing import balanced_cuts
+from cospec.parallel.pipeline import schedule_actions, split_layers
 
 FP32 = 4
 DTYPE_BYTES = {"": FP32, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def activation_floats_per_token(m: ModelConfig, *, layers: int, first: bool, last: bool,
-                                kl: bool, padded_ratio: float = 1.0) -> float:
-    """fp32 numbers saved for backward per trained token on a stage of ``layers`` layers (the
-    module docstring's formula); ``padded_ratio``: N Lmax / T of the packed microbatch."""
+def activation_floats(m: ModelConfig, lengths: Sequence[int], *, layers: int, first: bool,
+                      last: bool, kl: bool, ring: bool = False) -> float:
+    """fp32 numbers saved for backward by one forward of a packed row of sequences of ``lengths``
+    tokens on a stage of ``layers`` layers (the module docstring's formula). The attention's part
+    sits in the padded [N, Lmax] layout, or with ``ring`` (cp ring attention) in the row's own."""
     H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
-    per_layer = 7 * m.hidden_size + 4 * m.intermediate_size + 2 + padded_ratio * (
-        2 * H * D + 2 * Hkv * D + H)
-    outside = (3 * m.hidden_size + 2 * D + 7) if first or last else 0
-    loss = (m.vocab_size + 5 + (3 * m.vocab_size if kl else 0)) if last else 0
+    T = sum(lengths)
+    slots = T if ring else len(lengths) * max(lengths)
+    per_layer = (7 * m.hidden_size + 4 * m.intermediate_size + 2) * T + (
+        2 * H * D + 2 * Hkv * D + H) * slots
+    # RoPE tables and the attention's two int64 indices (token layout, padded layout); the token
+    # ids on the first stage; the final norm's and the head's inputs on the last
+    outside = (2 * D + 2 + 2 * first + (3 * m.hidden_size + 1) * last) * T + 2 * slots
+    loss = (m.vocab_size + 7 + (3 * m.vocab_size if kl else 0)) * T if last else 0
     return layers * per_layer + outside + loss
+
+
+def rank_microbatches(cfg: RunConfig, lengths: Sequence[int], replica: int) -> list[list[list[int]]]:
+    """The sequence lengths one rank of dp replica ``replica`` runs forward at once, per minibatch
+    and microbatch, from the step's rollout lengths (trained tokens, in rollout order), split as
+    the trainer splits them: replica r holds its contiguous share of the groups
+    (`GRPOTrainer.generate`), minibatch i its rollouts of global index i modulo micro_steps
+    (`replica_chunks`), under pp M microbatches balanced in tokens (`balanced_cuts`), and under cp
+    each sequence padded to a multiple of 2 cp and a rank's zigzag share 1 / cp of it."""
+    p, g = cfg.parallel, cfg.grpo
+    share = len(lengths) // p.dp
+    mine = range(replica * share, (replica + 1) * share)
+    out = []
+    for i in range(g.micro_steps):
+        rows = [lengths[k] for k in mine if k % g.micro_steps == i]
+        cu = torch.tensor([0, *itertools.accumulate(rows)])
+        cuts = balanced_cuts(cu, p.microbatches) if p.pp > 1 else [0, len(rows)]
+        micro = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+        if p.cp > 1:
+            micro = [[-(-n // (2 * p.cp)) * 2 for n in mb] for mb in micro]
+        out.append(micro)
+    return out
+
+
+def activation_peak_bytes(cfg: RunConfig, lengths: Sequence[int], *, stage: int,
+                          replica: int = 0) -> float:
+    """The most bytes saved for backward at once on a rank of ``stage`` and dp ``replica``: one
+    minibatch at a time, and under pp the microbatches its schedule has run forward and not yet
+    backward (`schedule_actions`: 1F1B at most pp - stage of them, GPipe all M)."""
+    p = cfg.parallel
+    layers = split_layers(cfg.model.num_layers, p.pp)[stage]
+    kl = bool(cfg.grpo.kl_coef or cfg.grpo.log_kl)
+    peak = 0.0
+    for micro in rank_microbatches(cfg, lengths, replica):
+        each = [activation_floats(cfg.model, mb, layers=len(layers), first=stage == 0,
+                                  last=stage == p.pp - 1, kl=kl, ring=p.cp > 1) for mb in micro]
+        live = 0.0
+        for action, m in schedule_actions(p.schedule, stage, p.pp, len(micro)):
+            live += each[m] if action == "F" else -each[m]
+            peak = max(peak, live)
+    return peak * FP32
 
 
 def _meta_models(cfg: RunConfig):
     """The policy, each pipeline stage and the draft on the meta device (counts only)."""
     from cospec.draft.offline import build_draft
     from cospec.models.llama import Transformer
-    from cospec.parallel.pipeline import build_stage, split_layers
+    from cospec.parallel.pipeline import build_stage
 
     with torch.device("meta"):
         policy = Transformer(cfg.model)
@@ -108,7 +165,8 @@ class _Run:
     """What every stage's figures read: the config, the meta models and the derived sizes."""
 
     cfg: RunConfig
-    context: float
+    lengths: list[int]  # trained tokens of each rollout of the step
+    context: float  # their mean
     policy: object
     stages: list
     layers: list[range]
@@ -129,14 +187,33 @@ class _Run:
         return g.prompts_per_step * g.group_size // g.micro_steps * self.context
 
     @property
+    def zigzag_padding(self) -> float:
+        """Tokens a cp group runs over tokens it trains: each sequence padded to a multiple of
+        2 cp (`cospec.parallel.zigzag`)."""
+        step = 2 * self.cfg.parallel.cp
+        return sum(-(-n // step) * step for n in self.lengths) / sum(self.lengths)
+
+    @property
     def cotrained_draft(self) -> bool:
         return self.draft is not None and self.cfg.draft.mode == "cotrain"
 
 
-def plan(cfg: RunConfig, *, context: float | None = None) -> list[StagePlan]:
-    """Per stage: memory and collective bytes per step of ``cfg``'s run, sequences of ``context``
-    tokens (prompt and response, on average; default: model.max_seq_len)."""
-    run = _Run(cfg, context or cfg.model.max_seq_len, *_meta_models(cfg))
+def plan(cfg: RunConfig, *, context: float | None = None,
+         lengths: Sequence[int] | None = None) -> list[StagePlan]:
+    """Per stage: memory and collective bytes per step of ``cfg``'s run, its rollouts all of
+    ``context`` tokens (prompt and response; default model.max_seq_len) or of the given
+    ``lengths`` (one per rollout of the step, trained tokens, in rollout order). The activations
+    are the largest replica's; the traffic is for the mean length."""
+    rollouts = cfg.grpo.prompts_per_step * cfg.grpo.group_size
+    if context is not None and lengths is not None:
+        raise ValueError("plan: give context or lengths, not both")
+    if lengths is None:
+        context = context or cfg.model.max_seq_len
+        lengths = [max(1, round(context))] * rollouts
+    if len(lengths) != rollouts or min(lengths) < 1:
+        raise ValueError(f"plan: {len(lengths)} lengths (min {min(lengths, default=0)}) for "
+                         f"{rollouts} rollouts a step: give one positive length per rollout")
+    run = _Run(cfg, list(lengths), context or sum(lengths) / rollouts, *_meta_models(cfg))
     out = []
     for s in range(cfg.parallel.pp):
         sp = StagePlan(stage=s, layers=len(run.layers[s]))
@@ -160,11 +237,8 @@ def _stage_memory(run: _Run, s: int) -> dict:
         mem["fsdp_unsharded"] = 2 * unit * FP32
     if run.draft is not None and last:  # co-trained: sharded like the stage under dp
         mem["draft"] = _count(run.draft) * FP32 * (4 / shard if run.cotrained_draft else 1)
-    M = p.microbatches if p.pp > 1 else 1
-    in_flight = min(p.pp - s, M) if p.schedule == "1f1b" else M
-    per_token = activation_floats_per_token(m, layers=len(run.layers[s]), first=first, last=last,
-                                            kl=run.kl)
-    mem["activations"] = run.minibatch_tokens / p.dp / p.cp / M * in_flight * per_token * FP32
+    mem["activations"] = max(activation_peak_bytes(run.cfg, run.lengths, stage=s, replica=r)
+                             for r in range(p.dp))  # the largest replica's
     if first:
         mem.update(_engine_memory(run.cfg, _count(run.policy), run.draft,
                                   DTYPE_BYTES[run.cfg.rollout.dtype]))
@@ -199,7 +273,8 @@ def _stage_comm(run: _Run, s: int) -> dict:
             comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
     if p.cp > 1:  # K and V of a rank's shard, per layer: cp - 1 hops forward (the policy's, and
         # the reference's with a KL), cp - 1 backward, and cp for dK and dV
-        kv = 2 * run.minibatch_tokens / p.dp / p.cp * m.num_kv_heads * m.head_dim * FP32
+        kv = (2 * run.minibatch_tokens * run.zigzag_padding / p.dp / p.cp * m.num_kv_heads
+              * m.head_dim * FP32)
         hops = 2 * (p.cp - 1) + p.cp + ((p.cp - 1) if run.kl else 0)
         comm["cp_ring"] = len(run.layers[s]) * g.micro_steps * hops * kv
         if last and run.cotrained_draft:  # the draft's trunk K/V, once per TTT step
@@ -208,7 +283,8 @@ def _stage_comm(run: _Run, s: int) -> dict:
             if d.cotrain_max_tokens:  # each replica samples its share of the budget
                 tokens = min(tokens, d.cotrain_max_tokens / p.dp / g.micro_steps)
             dcfg = run.draft.config
-            kv_d = 2 * tokens / p.cp * dcfg.num_kv_heads * dcfg.head_dim * FP32
+            kv_d = (2 * tokens * run.zigzag_padding / p.cp * dcfg.num_kv_heads * dcfg.head_dim
+                    * FP32)
             comm["cp_ring_draft"] = (d.cotrain_iters * g.micro_steps * d.ttt_steps
                                      * (2 * (p.cp - 1) + p.cp) * kv_d)
     return comm
@@ -233,7 +309,7 @@ def _engine_memory(cfg: RunConfig, policy_params: int, draft, rollout_bytes: int
     return mem
 
 
-def format_plan(cfg: RunConfig, stages: list[StagePlan], context: int) -> str:
+def format_plan(cfg: RunConfig, stages: list[StagePlan], context: int | str) -> str:
     """A table per stage: memory by part and collective bytes per step, in GiB."""
     p = cfg.parallel
     gib = lambda x: f"{x / 2 ** 30:10.3f}"  # noqa: E731

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cospec.data.packing import pack_examples
+from cospec.data.packing import balanced_cuts, pack_examples
 from cospec.draft.ttt import TTTBatch
 from cospec.models.integrity import NonFiniteError
 from cospec.models.precision import autocast
@@ -85,19 +85,9 @@ class PolicyMinibatch:
                                index=index)
 
     def split(self, parts: int) -> list["PolicyMinibatch"]:
-        """``parts`` microbatches of whole sequences, contiguous, cut where the running token count
-        crosses each multiple of T / parts (balanced in tokens, at least one sequence each)."""
-        n = self.num_sequences
-        if not 1 <= parts <= n:
-            raise ValueError(f"cannot split {n} sequences into {parts} microbatches (need 1..{n}); "
-                             f"lower parallel.microbatches or raise the rollouts per minibatch")
-        total = int(self.cu_seqlens[-1])
-        cuts = [0]
-        for k in range(1, parts):
-            target = total * k / parts
-            cut = int(torch.searchsorted(self.cu_seqlens, torch.tensor(target)).clamp(max=n))
-            cuts.append(min(max(cut, cuts[-1] + 1), n - (parts - k)))
-        cuts.append(n)
+        """``parts`` microbatches of whole sequences, contiguous, balanced in tokens
+        (`cospec.data.packing.balanced_cuts`)."""
+        cuts = balanced_cuts(self.cu_seqlens, parts)
         return [self.sequences(a, b, index=i) for i, (a, b) in enumerate(zip(cuts[:-1], cuts[1:]))]
 
 

@@ -2,10 +2,11 @@
 
     python docs/results/parallel/activation_peaks.py       # dp2, pp2, cp2, dp2xpp2 on the tiny recipe
 
-Each layout runs one GRPO step (its own rollouts, co-training on) on spawned gloo ranks. A saved
-tensor counts (once per storage; parameters, and FSDP2's unsharded ones, excluded) from the
-forward that saved it until its graph is freed; the peak is the most live at once. Prints, per
-rank: its stage, the measured peak and the plan's activations for the rank's mean rollout length.
+Each layout runs one GRPO step (its own rollouts, co-training on) on spawned gloo ranks and
+measures the peak with `cospec.metrics.saved_activations.SavedActivations`. Prints, per rank: its
+stage, the measured peak, and the plan's activations three ways: for the step's own rollout
+lengths (`activation_peak_bytes`), for every rollout at the replica's mean length, and at its
+longest (what `cospec plan --context` gives when told the longest sequence: an upper bound).
 """
 
 import torch
@@ -13,46 +14,14 @@ import torch
 from cospec.config import resolve
 from cospec.draft.offline import build_draft
 from cospec.models.llama import Transformer
+from cospec.metrics.saved_activations import SavedActivations
 from cospec.parallel.launch import spawn
-from cospec.parallel.plan import plan
+from cospec.parallel.plan import activation_peak_bytes, plan
 
 LAYOUTS = {"dp2": (["parallel.dp=2"], 2), "pp2": (["parallel.pp=2"], 2),
            "cp2": (["parallel.cp=2"], 2), "dp2xpp2": (["parallel.dp=2", "parallel.pp=2"], 4)}
 SHARED = ["grpo.micro_steps=2", "grpo.kl_coef=0.05", "rollout.speculative=true",
           "draft.mode=cotrain", "rollout.adaptive=false", "parallel.microbatches=2"]
-
-
-class LiveActivations:
-    def __init__(self):
-        self.refs, self.live, self.peak = {}, 0, 0
-
-    def pack(self, t):
-        if isinstance(t, torch.nn.Parameter):
-            return t
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in self.refs:
-            self.live += t.untyped_storage().nbytes()
-            self.peak = max(self.peak, self.live)
-        self.refs[ptr] = self.refs.get(ptr, 0) + 1
-        return _Held(self, ptr, t)
-
-    def release(self, ptr, nbytes):
-        self.refs[ptr] -= 1
-        if not self.refs[ptr]:
-            del self.refs[ptr]
-            self.live -= nbytes
-
-    @staticmethod
-    def unpack(held):
-        return held.t if isinstance(held, _Held) else held
-
-
-class _Held:
-    def __init__(self, owner, ptr, t):
-        self.owner, self.ptr, self.t, self.nbytes = owner, ptr, t, t.untyped_storage().nbytes()
-
-    def __del__(self):
-        self.owner.release(self.ptr, self.nbytes)
 
 
 def _step(rank, world, layout):
@@ -78,17 +47,20 @@ def _step(rank, world, layout):
         batch = batch or RolloutBatch(examples=[], completions=shared[0], rewards=shared[2],
                                       advantages=shared[1], generate_seconds=0.0, num_tokens=0,
                                       first=shared[3])
-    live = LiveActivations()
-    with torch.autograd.graph.saved_tensors_hooks(live.pack, live.unpack):
+    with SavedActivations() as live:
         trainer.train_policy(batch)
-    context = sum(len(c.prompt) + len(c.tokens) - 1 for c in batch.completions) / len(
-        batch.completions)
-    planned = plan(cfg, context=context)[group.stage].memory["activations"]
-    return group.stage, live.peak, planned
+    mine = [len(c.prompt) + len(c.tokens) - 1 for c in batch.completions]  # trained tokens
+    lengths = [0] * (cfg.grpo.prompts_per_step * cfg.grpo.group_size)
+    lengths[batch.first:batch.first + len(mine)] = mine
+    exact = activation_peak_bytes(cfg, lengths, stage=group.stage, replica=group.dp_rank)
+    mean, longest = (plan(cfg, context=n)[group.stage].memory["activations"]
+                     for n in (round(sum(mine) / len(mine)), max(mine)))
+    return group.stage, live.peak_bytes, exact, mean, longest
 
 
 if __name__ == "__main__":
     for layout, (_, ranks) in LAYOUTS.items():
-        for stage, peak, planned in spawn(_step, ranks, layout):
-            print(f"{layout:8} stage {stage}: measured {peak:>9,} B, plan {planned:>11,.0f} B, "
-                  f"x{peak / planned:.2f}")
+        for stage, peak, exact, mean, longest in spawn(_step, ranks, layout):
+            print(f"{layout:8} stage {stage}: measured {peak:>9,} B; plan: of the rollouts' "
+                  f"lengths x{peak / exact:.3f}, of their mean x{peak / mean:.2f}, of the "
+                  f"longest x{peak / longest:.2f}")
