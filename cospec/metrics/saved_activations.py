@@ -1,5 +1,5 @@
 """The bytes autograd holds for backward, live, as a run executes: what `cospec plan`'s
-activations predict, measured (tests/test_plan.py, docs/results/parallel/activation_peaks.py).
+activations predict, measured (tests/test_plan.py, docs/results/parallel/memory_peaks.py).
 
     meter = SavedActivations()
     with meter:

@@ -58,9 +58,13 @@ import torch
 from cospec.config import RunConfig
 from cospec.config.sections import ModelConfig
 from cospec.data.packing import balanced_cuts
+from cospec.parallel.draft_memory import captured_bytes, cotrain_bytes
 from cospec.parallel.pipeline import schedule_actions, split_layers
 
 FP32 = 4
+#: parts of a step that are never live together: the policy step's saved activations, then the
+#: draft's update
+ONE_AT_A_TIME = ("activations", "draft_cotrain")
 DTYPE_BYTES = {"": FP32, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -88,12 +92,9 @@ def rank_microbatches(cfg: RunConfig, lengths: Sequence[int], replica: int) -> l
     (`GRPOTrainer.generate`), minibatch i its rollouts of global index i modulo micro_steps
     (`replica_chunks`), under pp M microbatches balanced in tokens (`balanced_cuts`), and under cp
     each sequence padded to a multiple of 2 cp and a rank's zigzag share 1 / cp of it."""
-    p, g = cfg.parallel, cfg.grpo
-    share = len(lengths) // p.dp
-    mine = range(replica * share, (replica + 1) * share)
+    p = cfg.parallel
     out = []
-    for i in range(g.micro_steps):
-        rows = [lengths[k] for k in mine if k % g.micro_steps == i]
+    for rows in replica_minibatches(cfg, lengths, replica):
         cu = torch.tensor([0, *itertools.accumulate(rows)])
         cuts = balanced_cuts(cu, p.microbatches) if p.pp > 1 else [0, len(rows)]
         micro = [rows[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
@@ -101,6 +102,14 @@ def rank_microbatches(cfg: RunConfig, lengths: Sequence[int], replica: int) -> l
             micro = [[-(-n // (2 * p.cp)) * 2 for n in mb] for mb in micro]
         out.append(micro)
     return out
+
+
+def replica_minibatches(cfg: RunConfig, lengths: Sequence[int], replica: int) -> list[list[int]]:
+    """The whole sequences' lengths of each minibatch of dp replica ``replica``."""
+    p, g = cfg.parallel, cfg.grpo
+    share = len(lengths) // p.dp
+    mine = range(replica * share, (replica + 1) * share)
+    return [[lengths[k] for k in mine if k % g.micro_steps == i] for i in range(g.micro_steps)]
 
 
 def activation_peak_bytes(cfg: RunConfig, lengths: Sequence[int], *, stage: int,
@@ -157,7 +166,10 @@ class StagePlan:
 
     @property
     def total_memory(self) -> float:
-        return sum(self.memory.values())
+        """The peak: every part, but of the policy's activations and the draft's co-training
+        update only the larger (one follows the other)."""
+        one_at_a_time = [self.memory.get(k, 0.0) for k in ONE_AT_A_TIME]
+        return sum(self.memory.values()) - sum(one_at_a_time) + max(one_at_a_time)
 
 
 @dataclass
@@ -237,12 +249,28 @@ def _stage_memory(run: _Run, s: int) -> dict:
         mem["fsdp_unsharded"] = 2 * unit * FP32
     if run.draft is not None and last:  # co-trained: sharded like the stage under dp
         mem["draft"] = _count(run.draft) * FP32 * (4 / shard if run.cotrained_draft else 1)
+        if run.cotrained_draft and run.cfg.draft.kind == "eagle3":
+            mem.update(_draft_cotrain_memory(run))
     mem["activations"] = max(activation_peak_bytes(run.cfg, run.lengths, stage=s, replica=r)
                              for r in range(p.dp))  # the largest replica's
     if first:
         mem.update(_engine_memory(run.cfg, _count(run.policy), run.draft,
                                   DTYPE_BYTES[run.cfg.rollout.dtype]))
     return mem
+
+
+def _draft_cotrain_memory(run: _Run) -> dict:
+    """The draft's captured data and its co-training update (`cospec.parallel.draft_memory`), the
+    largest replica's; under dp each replica samples its share of draft.cotrain_max_tokens."""
+    d, m, p = run.cfg.draft, run.cfg.model, run.cfg.parallel
+    taps = len(set(run.draft.tap_layers))
+    budget = max(1, d.cotrain_max_tokens // p.dp) if d.cotrain_max_tokens else 0
+    per_replica = [replica_minibatches(run.cfg, run.lengths, r) for r in range(p.dp)]
+    return {"draft_captured": max(captured_bytes(m, mbs, taps=taps) for mbs in per_replica),
+            "draft_cotrain": max(cotrain_bytes(m, run.draft.config, mbs, steps=d.ttt_steps,
+                                               taps=taps, features=len(run.draft.tap_layers),
+                                               max_tokens=budget, cp=p.cp)
+                                 for mbs in per_replica)}
 
 
 def _stage_comm(run: _Run, s: int) -> dict:

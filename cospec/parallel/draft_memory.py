@@ -1,0 +1,84 @@
+"""The co-trained EAGLE-3 draft's memory in a GRPO step, for `cospec plan` (cospec.parallel.plan).
+
+# T tokens of a TTT batch in N sequences of up to Lmax, C / I the draft's hidden and MLP width,
+# H / D its query heads and head dim, Vd its vocabulary, V the policy's, k the tapped layers
+# (distinct ones where kept, all of draft.tap_layers as the draft's input), J = draft.ttt_steps
+
+Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
+- captured: what the policy step keeps of every minibatch for the draft (`TTTBatch`): the tapped
+  features k C, the policy's logits V, the token ids and loss mask, (k C + V + 3) per token, held
+  from the policy step until the draft has trained;
+- cotrain: the draft's update. Each minibatch's batch is cut to its share of
+  draft.cotrain_max_tokens (whole sequences drawn at random, copied, at least one; counted as
+  the share's tokens, their sequences in proportion, the minibatch's longest), its TTT targets
+  gathered, J V per token, and the TTT
+  unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss save, counted with
+  saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
+      (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N Lmax + 2 N H Lmax^2 + Lmax^2 / 4
+  (the trunk attention's dense scores, 2 N H Lmax^2, grow with the square of the sequence), plus
+  for j >= 1 the branch keys (2 j + 3) H D T + (2 j + 4) H T, and once (k C + C + 2 J + 2) T.
+  Under cp each rank holds the whole batch's targets and trains on its zigzag shard of T / cp
+  tokens (and padding) with ring attention, no dense scores: per step
+  (12 C + 4 I + 2 D + 4 Vd + 5 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T.
+  The largest minibatch's update sets the peak; the sampled copies of every minibatch are held
+  together.
+Not modelled: the block drafter.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from cospec.config.sections import ModelConfig
+
+FP32 = 4
+
+
+def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longest: int, *,
+                          steps: int, taps: int, ring: bool = False) -> float:
+    """fp32 numbers the EAGLE-3 TTT unroll and loss save for backward on a batch of ``tokens``
+    in ``sequences`` of up to ``longest`` (the module docstring's formula); ``d`` the draft's
+    config. ``ring``: a cp rank's zigzag shard of ``tokens``, its trunk attention the ring's."""
+    T, N, L = tokens, sequences, longest
+    C, H, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
+    floats = (taps * C + C + 2 + (0 if ring else 2 * steps)) * T
+    for j in range(steps):
+        floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4 * d.vocab_size + 5) * T
+        if ring:  # the ring's q, K/V, output and log-sum-exp; the branch keys and values
+            floats += (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
+        else:  # the dense trunk attention, and the branch
+            floats += 3 * N * H * L * D + N * H * L + 2 * N * L + 2 * N * H * L * L + L * L / 4
+            if j:
+                floats += (2 * j + 3) * H * D * T + (2 * j + 4) * H * T
+    return floats
+
+
+def captured_bytes(policy: ModelConfig, minibatches: Sequence[Sequence[int]], *, taps: int) -> float:
+    """Bytes of the features and logits kept for the draft from a step's ``minibatches`` (each
+    the sequence lengths of one)."""
+    T = sum(sum(mb) for mb in minibatches)
+    return (taps * policy.hidden_size + policy.vocab_size + 3) * T * FP32
+
+
+def cotrain_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]], *,
+                  steps: int, taps: int, features: int, max_tokens: int, cp: int = 1) -> float:
+    """Bytes of the draft's co-training beyond its weights and optimizer: the sampled copies of
+    every minibatch, and the largest update's targets and saved activations (under ``cp`` the
+    targets of the whole batch, the activations of a rank's shard). ``taps``: the distinct tapped
+    layers (what is kept), ``features``: the draft's tap list (duplicates included: its input)."""
+    per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
+    row = taps * policy.hidden_size + policy.vocab_size + 3  # a copied token's features
+    sampled = peak = 0.0
+    for mb in minibatches:
+        T, N = sum(mb), len(mb)
+        if per_batch and T > per_batch:  # a copy of whole sequences, about per_batch tokens
+            # (at least one sequence, however long)
+            keep = max(1, round(N * per_batch / T))
+            N, T = keep, min(T, max(per_batch, keep * T / N))
+            sampled += row * T
+        # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
+        local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
+        update = steps * policy.vocab_size * T + ttt_activation_floats(
+            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1)
+        peak = max(peak, update)
+    return (sampled + peak) * FP32
