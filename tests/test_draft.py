@@ -175,6 +175,42 @@ def test_sample_sequences_keeps_random_whole_sequences_within_the_token_budget(p
     assert sample_sequences(batch, 36, random.Random(0)) is batch
 
 
+def test_the_trainer_keeps_of_each_minibatch_only_what_the_draft_will_train_on(tmp_path):
+    """The co-training budget cuts the captured features and logits as each minibatch comes (not
+    after the whole policy step): the same sequences `cotrain_draft` draws from the whole."""
+    from cospec.config import resolve
+    from cospec.draft.cotrain import cotrain_sampler
+    from cospec.draft.offline import build_draft
+    from cospec.rl.trainer import GRPOTrainer
+
+    cfg = resolve("tiny", overrides=[f"out_dir={tmp_path}", "rollout.speculative=true",
+                                     "draft.mode=cotrain", "draft.cotrain_max_tokens=120",
+                                     "grpo.micro_steps=2", "rollout.adaptive=false"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    trainer = GRPOTrainer(cfg, policy, draft=build_draft(cfg, policy), tensorboard=False)
+    whole, step = [], trainer.policy_step
+
+    def recording(mb, tap_layers):
+        out = step(mb, tap_layers)
+        whole.extend(out[2])
+        return out
+
+    trainer.policy_step = recording
+    batch = trainer.generate()
+    trainer.score(batch)
+    trainer.compute_advantages(batch)
+    trainer.train_policy(batch)
+    take = cotrain_sampler(cfg.draft, len(whole), trainer.g.seed * 1_000_003 + trainer.step)
+    expected = [take(b) for b in whole]
+    assert len(whole) == 2 and sum(len(b.tokens) for b in whole) > 120  # the budget cuts
+    assert [b.tokens.tolist() for b in trainer._draft_data] == [b.tokens.tolist() for b in expected]
+    for kept, want in zip(trainer._draft_data, expected):
+        assert torch.equal(kept.policy_logits, want.policy_logits)
+    assert sum(len(b.tokens) for b in trainer._draft_data) <= 120 + max(
+        int(n) for b in whole for n in b.cu_seqlens[1:] - b.cu_seqlens[:-1])  # whole sequences
+
+
 
 
 # ----------------------------------------------------------------------------- reduced draft vocabulary

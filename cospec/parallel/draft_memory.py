@@ -4,24 +4,24 @@
 # H / D its query heads and head dim, Vd its vocabulary, V the policy's, k the tapped layers
 # (distinct ones where kept, all of draft.tap_layers as the draft's input), J = draft.ttt_steps
 
-Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
-- captured: what the policy step keeps of every minibatch for the draft (`TTTBatch`): the tapped
-  features k C, the policy's logits V, the token ids and loss mask, (k C + V + 3) per token, held
-  from the policy step until the draft has trained;
-- cotrain: the draft's update. Each minibatch's batch is cut to its share of
-  draft.cotrain_max_tokens (whole sequences drawn at random, copied, at least one; counted as
-  the share's tokens, their sequences in proportion, the minibatch's longest), its TTT targets
-  gathered, J V per token, and the TTT
-  unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss save, counted with
-  saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
+Three parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
+- captured: what the step keeps for the draft of each minibatch (`TTTBatch`, cut at capture to
+  its share of draft.cotrain_max_tokens by `cotrain_sampler`: whole sequences drawn at random,
+  at least one; counted as the share's tokens, their sequences in proportion, the minibatch's
+  longest): the tapped features k C, the policy's logits V, the token ids and loss mask,
+  (k C + V + 3) per token, held from the policy step until the draft has trained;
+- capturing (pp only, during the policy step): a minibatch's features and logits whole, which
+  the last stage keeps microbatch by microbatch until the minibatch is done and cut;
+- cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J V per token,
+  and what the TTT unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss
+  save, counted with saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
       (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N Lmax + 2 N H Lmax^2 + Lmax^2 / 4
   (the trunk attention's dense scores, 2 N H Lmax^2, grow with the square of the sequence), plus
   for j >= 1 the branch keys (2 j + 3) H D T + (2 j + 4) H T, and once (k C + C + 2 J + 2) T.
-  Under cp each rank holds the whole batch's targets and trains on its zigzag shard of T / cp
+  Under cp each rank holds the whole share's targets and trains on its zigzag shard of T / cp
   tokens (and padding) with ring attention, no dense scores: per step
   (12 C + 4 I + 2 D + 4 Vd + 5 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T.
-  The largest minibatch's update sets the peak; the sampled copies of every minibatch are held
-  together.
+  The largest minibatch's update sets the peak.
 Not modelled: the block drafter.
 """
 
@@ -53,32 +53,35 @@ def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longe
     return floats
 
 
-def captured_bytes(policy: ModelConfig, minibatches: Sequence[Sequence[int]], *, taps: int) -> float:
-    """Bytes of the features and logits kept for the draft from a step's ``minibatches`` (each
-    the sequence lengths of one)."""
-    T = sum(sum(mb) for mb in minibatches)
-    return (taps * policy.hidden_size + policy.vocab_size + 3) * T * FP32
+def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
+    """(tokens, sequences) the draft keeps of a minibatch of sequences of these lengths, given
+    its share ``per_batch`` of the token budget (0: all): whole sequences, at least one."""
+    T, N = sum(minibatch), len(minibatch)
+    if not per_batch or T <= per_batch:
+        return T, N
+    keep = max(1, round(N * per_batch / T))
+    return min(T, max(per_batch, keep * T / N)), keep
 
 
-def cotrain_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]], *,
-                  steps: int, taps: int, features: int, max_tokens: int, cp: int = 1) -> float:
-    """Bytes of the draft's co-training beyond its weights and optimizer: the sampled copies of
-    every minibatch, and the largest update's targets and saved activations (under ``cp`` the
-    targets of the whole batch, the activations of a rank's shard). ``taps``: the distinct tapped
-    layers (what is kept), ``features``: the draft's tap list (duplicates included: its input)."""
+def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
+                       *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
+                       pp: int = 1) -> dict[str, float]:
+    """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
+    of one): ``draft_captured``, ``draft_capturing`` (pp > 1) and ``draft_cotrain``. ``taps``:
+    the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
+    included: its input); under ``cp`` the targets of the whole share, the activations of a
+    rank's shard."""
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
-    row = taps * policy.hidden_size + policy.vocab_size + 3  # a copied token's features
-    sampled = peak = 0.0
+    row = taps * policy.hidden_size + policy.vocab_size + 3  # a kept token's features
+    kept = update = 0.0
     for mb in minibatches:
-        T, N = sum(mb), len(mb)
-        if per_batch and T > per_batch:  # a copy of whole sequences, about per_batch tokens
-            # (at least one sequence, however long)
-            keep = max(1, round(N * per_batch / T))
-            N, T = keep, min(T, max(per_batch, keep * T / N))
-            sampled += row * T
+        T, N = kept_share(mb, per_batch)
+        kept += row * T
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
-        update = steps * policy.vocab_size * T + ttt_activation_floats(
-            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1)
-        peak = max(peak, update)
-    return (sampled + peak) * FP32
+        update = max(update, steps * policy.vocab_size * T + ttt_activation_floats(
+            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1))
+    out = {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}
+    if pp > 1:
+        out["draft_capturing"] = row * max(sum(mb) for mb in minibatches) * FP32
+    return out

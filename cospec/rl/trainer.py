@@ -13,11 +13,10 @@ rewards [1, 0, 0, 0]; advantages (mean_std) [1, -1, 0, 0]; the e1 group has equa
 advantages are 0 and it adds no gradient.
 
 Reproducibility: the prompt stream is a `random.Random` whose state is checkpointed, and rollout k
-of step s draws its random numbers from its own seed (`rollout_seed(grpo.seed, s, k)`, per-prompt
-streams in the engine), so a resumed run repeats exactly what an uninterrupted one does, and
-data-parallel replicas sample what one process samples (bit-exact on CPU with plain or fixed-gamma rollouts; the adaptive
-controller picks gamma from measured wall-clock costs, so with it runs are equal in distribution,
-not bit for bit).
+of step s draws from its own seed (`rollout_seed(grpo.seed, s, k)`, per-prompt streams in the
+engine): a resumed run repeats an uninterrupted one, and dp replicas sample what one process does
+(bit-exact on CPU with plain or fixed-gamma rollouts; the adaptive controller picks gamma from
+measured wall-clock costs, so with it runs are equal in distribution, not bit for bit).
 """
 
 from __future__ import annotations
@@ -29,11 +28,11 @@ from dataclasses import dataclass
 
 import torch
 
-from cospec.config import ConfigError, RunConfig, SamplingConfig
+from cospec.config import ConfigError, DraftConfig, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
-from cospec.draft.cotrain import cotrain_draft
+from cospec.draft.cotrain import cotrain_draft, cotrain_sampler
 from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch
 from cospec.metrics.progress import progress_bar
@@ -50,6 +49,7 @@ from cospec.rl.policy_step import PolicyMinibatch, metrics_from_sums
 from cospec.rl.step_metrics import console_line, step_metrics
 from cospec.rl.trainer_state import restore_trainer, save_trainer
 from cospec.rollout.engine import Completion, GenerationEngine
+from cospec.rollout.prompt_streams import rollout_seed
 from cospec.rollout.speculative import SpeculativeEngine
 
 
@@ -185,6 +185,8 @@ class GRPOTrainer:
         (before any update of this step: trainer vs rollout engine, same weights)."""
         chunks = replica_chunks(batch.first, len(batch.completions), self.g.micro_steps)
         tap_layers = self.draft.tap_layers if self._cotrain_now() else ()
+        d, seed = self._cotrain_budget()  # keep only what the draft will train on, as it comes
+        take = cotrain_sampler(d, len(chunks), seed) if tap_layers and self.owns_draft else None
         logs = []
         for i, idx in enumerate(chunks):
             mb = PolicyMinibatch.from_rollouts(batch.completions, batch.advantages, idx)
@@ -194,7 +196,7 @@ class GRPOTrainer:
                 raise NonFiniteError(f"GRPO step {self.step + 1}, minibatch {i + 1} of "
                                      f"{len(chunks)}: {e}") from e
             self._updated_this_step = True
-            self._draft_data += captured
+            self._draft_data += [take(b) for b in captured] if take else captured
             logs.append(metrics_from_sums(sums, grad_norm))
         mismatch = [k for k in logs[0] if k.startswith("mismatch")]
         out = {k: sum(l[k] for l in logs) / len(logs) for k in logs[0] if k not in mismatch}
@@ -219,15 +221,19 @@ class GRPOTrainer:
             return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
         if not self._draft_data:
             return {}
-        if self.group is not None and self.group.dp > 1 and d.cotrain_max_tokens:
-            # each replica samples its share of the token budget from its own rollouts
-            d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // self.group.dp))
+        d, seed = self._cotrain_budget()
         metrics = cotrain_draft(self.draft, self.draft_optimizer, self._draft_data, d,
-                                temperature=self.cfg.sampling.temperature,
-                                seed=self.g.seed * 1_000_003 + self.step, loss_fn=self.draft_loss,
-                                reduce_grads=self.reduce_draft_grads)
+                                temperature=self.cfg.sampling.temperature, seed=seed,
+                                loss_fn=self.draft_loss, reduce_grads=self.reduce_draft_grads)
         self._draft_data = []
         return metrics
+
+    def _cotrain_budget(self) -> tuple[DraftConfig, int]:
+        """This step's co-training config (under dp, a replica's share of the token budget) and seed."""
+        d, dp = self.cfg.draft, self.group.dp if self.group is not None else 1
+        if dp > 1 and d.cotrain_max_tokens:
+            d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // dp))
+        return d, self.g.seed * 1_000_003 + self.step
 
     def evaluate(self) -> dict:
         """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
@@ -236,9 +242,8 @@ class GRPOTrainer:
         rng = random.Random(999_331)
         examples = [self.data.source.sample(rng) for _ in range(self.g.eval_prompts)]
         s = self.cfg.sampling
-        result = self.engine.generate([self.data.prompt_ids(e) for e in examples],
-                                      SamplingConfig(temperature=s.temperature,
-                                                     max_new_tokens=s.max_new_tokens),
+        sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+        result = self.engine.generate([self.data.prompt_ids(e) for e in examples], sampling,
                                       generator=torch.Generator(device=self.device).manual_seed(4242))
         batch = RolloutBatch(examples=examples, completions=result.completions, rewards=None,
                              advantages=None, generate_seconds=result.seconds, num_tokens=result.num_tokens)
@@ -393,8 +398,3 @@ class GRPOTrainer:
             log.close()
         return history
 
-
-def rollout_seed(seed: int, step: int, k: int) -> int:
-    """The seed of rollout k (step-wide index) of GRPO step ``step`` (0-based): distinct for
-    every (step, k) of a run, whichever replica answers it."""
-    return ((seed * 1_000_003 + step) * 1_000_033 + k) % 2 ** 63

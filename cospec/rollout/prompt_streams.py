@@ -85,3 +85,9 @@ class PromptStreams:
         if peak > self.draws_per_row:
             raise RuntimeError(f"a rollout drew {peak} random numbers but its stream holds "
                                f"{self.draws_per_row}: the engine's draws_per_token is too low")
+
+
+def rollout_seed(seed: int, step: int, k: int) -> int:
+    """The seed of rollout k (step-wide index) of GRPO step ``step`` (0-based): distinct for
+    every (step, k) of a run, whichever replica answers it."""
+    return ((seed * 1_000_003 + step) * 1_000_033 + k) % 2 ** 63
