@@ -7,6 +7,7 @@ asked in rollouts. Tolerance 1e-5 (fp32; the two paths differ in summation order
 """
 
 import copy
+import dataclasses
 import random
 
 import pytest
@@ -211,6 +212,48 @@ def test_the_trainer_keeps_of_each_minibatch_only_what_the_draft_will_train_on(t
         int(n) for b in whole for n in b.cu_seqlens[1:] - b.cu_seqlens[:-1])  # whole sequences
 
 
+
+def test_a_reduced_head_keeps_its_logits_and_a_bucket_and_trains_as_on_the_whole_logits(tmp_path):
+    """`draft_targets`: with a reduced draft head the policy step keeps Vd + 1 numbers a token
+    for the draft (the head's logits and one bucket), not V, and the draft's co-training loss
+    and gradients on them are those on the whole logits."""
+    from cospec.draft.losses import compress_to_head
+    from cospec.rl.trainer import GRPOTrainer
+
+    cfg = resolve("tiny", overrides=[f"out_dir={tmp_path}", "rollout.speculative=true",
+                                     "draft.mode=cotrain", "draft.cotrain_max_tokens=0",
+                                     "rollout.adaptive=false", "sampling.temperature=0.7"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    ids = torch.tensor(sorted({2, *range(5, 50, 4)}))  # EOS and 12 more
+    draft = Eagle3Draft.from_policy(policy, vocab_ids=ids)
+    trainer = GRPOTrainer(cfg, policy, draft=draft, tensorboard=False)
+    keep, whole = trainer.policy_step.draft_targets, []
+
+    def recording(logits):
+        whole.append(logits.clone())
+        return keep(logits)
+
+    trainer.policy_step.draft_targets = recording
+    batch = trainer.generate()
+    trainer.score(batch)
+    trainer.compute_advantages(batch)
+    trainer.train_policy(batch)
+    assert len(whole) == len(trainer._draft_data) == cfg.grpo.micro_steps
+    for kept, logits in zip(trainer._draft_data, whole):
+        assert kept.policy_logits.shape == (len(kept.tokens), len(ids) + 1)
+        torch.testing.assert_close(kept.policy_logits, compress_to_head(logits, ids, 0.7))
+        on_whole = dataclasses.replace(kept, policy_logits=logits)
+        results = []
+        for b in (kept, on_whole):
+            draft.zero_grad(set_to_none=True)
+            loss, _ = ttt_loss(draft, b, num_steps=3, temperature=0.7, tv_weight=0.5)
+            loss.backward()
+            results.append((loss.detach(), [p.grad.clone() for p in draft.parameters()
+                                            if p.grad is not None]))
+        torch.testing.assert_close(results[0][0], results[1][0])
+        for a, b in zip(results[0][1], results[1][1]):
+            torch.testing.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------- reduced draft vocabulary

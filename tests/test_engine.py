@@ -115,7 +115,9 @@ def test_logprobs_equal_the_sampling_logprobs_of_a_full_forward(model, sampling)
     for c in result.completions:
         logits = full_logits(model, c.prompt + c.tokens)[len(c.prompt) - 1:-1]  # predicts c.tokens
         expected = sampling_logprobs_NV(logits, sampling).gather(-1, torch.tensor(c.tokens)[:, None])
-        torch.testing.assert_close(torch.tensor(c.logprobs), expected[:, 0], atol=1e-5, rtol=0)
+        # fp32 roundoff of a cached decode against one full forward, relative to the logprob:
+        # 1.2e-5 on a logprob of -2.9 on an AMD EPYC (its kernels sum in another order)
+        torch.testing.assert_close(torch.tensor(c.logprobs), expected[:, 0], atol=1e-5, rtol=1e-5)
 
 
 def test_eos_ends_a_row_and_is_kept(model):

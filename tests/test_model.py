@@ -61,7 +61,9 @@ def test_logits_at_one_position_per_row_are_the_full_forwards_logits_there(model
     full = model(x, kv_cache=a, num_valid_B=last + 1)
     picked = model(x, kv_cache=b, num_valid_B=last + 1, logits_positions_B=last)
     assert picked.logits.shape == (3, 1, CFG.vocab_size)
-    torch.testing.assert_close(picked.logits[:, 0], full.logits[torch.arange(3), last], atol=0, rtol=0)
+    # the hidden states bit for bit; the head's matmul over 3 rows may take another BLAS kernel
+    # than over 24 (an AMD EPYC's OpenBLAS differs in the last bit: 6e-7), hence fp32's roundoff
+    torch.testing.assert_close(picked.logits[:, 0], full.logits[torch.arange(3), last])
     torch.testing.assert_close(picked.hidden, full.hidden, atol=0, rtol=0)
     assert torch.equal(a.lengths_B, b.lengths_B)
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))

@@ -41,7 +41,8 @@ def _models(cfg):
     policy = Transformer(cfg.model)
     policy.reset_parameters(std=0.1)
     torch.manual_seed(1)
-    return policy, Eagle3Draft.from_policy(policy)
+    head = torch.arange(cfg.draft.vocab_size) if cfg.draft.vocab_size else None
+    return policy, Eagle3Draft.from_policy(policy, vocab_ids=head)
 
 
 def _rigged_rewards(batch) -> None:
@@ -84,8 +85,11 @@ def _step(cfg, group=None) -> dict:
 
 
 #: the layouts and their overrides; those outside parallel.* hold for the reference step too
-LAYOUTS = {"cp2": ["parallel.cp=2"], "cp4": ["parallel.cp=4"], "pp2": ["parallel.pp=2"],
-           "pp4": ["parallel.pp=4"], "pp2xcp2": ["parallel.pp=2", "parallel.cp=2"],
+#: (cp2 and pp2xcp2 co-train a draft with a reduced head, whose targets every layout keeps
+#: compressed to the head, `draft_targets`: under cp before the ranks gather them)
+LAYOUTS = {"cp2": ["parallel.cp=2", "draft.vocab_size=24"], "cp4": ["parallel.cp=4"],
+           "pp2": ["parallel.pp=2"], "pp4": ["parallel.pp=4"],
+           "pp2xcp2": ["parallel.pp=2", "parallel.cp=2", "draft.vocab_size=24"],
            # two minibatches: each replica's share of minibatch i is chosen by global index;
            # co-training on every captured token (a token budget is split over the replicas,
            # each sampling its share from its own rollouts: another sample than one process's)

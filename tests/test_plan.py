@@ -94,19 +94,22 @@ def test_each_pipeline_stage_saves_what_the_formula_gives_it(stage):
     assert formula == measured
 
 
-def ttt_saved_bytes(cfg, lengths: list[int], *, steps: int, group=None) -> int:
+def ttt_saved_bytes(cfg, lengths: list[int], *, steps: int, group=None, head: int = 0) -> int:
     """Bytes saved for backward by the co-trained EAGLE-3 draft's TTT loss on a batch of
-    ``lengths`` (under cp, ``group``'s ranks each on their zigzag shard)."""
+    ``lengths`` (under cp, ``group``'s ranks each on their zigzag shard); ``head``: a reduced
+    head of that many ids, its targets kept as the trainer keeps them (`draft_targets`)."""
+    from cospec.draft.losses import draft_targets
     from cospec.draft.offline import build_draft
     from cospec.draft.ttt import TTTBatch, ttt_loss
     from cospec.rl.cp_step import ContextParallelDraftLoss
 
     torch.manual_seed(0)
-    draft = build_draft(cfg, Transformer(cfg.model))
+    draft = build_draft(cfg, Transformer(cfg.model), vocab_ids=torch.arange(head) if head else None)
     T, m = sum(lengths), cfg.model
+    keep = draft_targets(draft.vocab_ids, 1.0)
     batch = TTTBatch(tokens=torch.randint(4, m.vocab_size, (T,)),
                      cu_seqlens=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),
-                     loss_mask=torch.ones(T), policy_logits=torch.randn(T, m.vocab_size),
+                     loss_mask=torch.ones(T), policy_logits=keep(torch.randn(T, m.vocab_size)),
                      taps={k: torch.randn(T, m.hidden_size) for k in set(draft.tap_layers)})
     params = {p.untyped_storage().data_ptr() for p in draft.parameters()}
     saved: dict[int, int] = {}
@@ -127,15 +130,17 @@ DRAFT_SHAPE = ["rollout.speculative=true", "draft.mode=cotrain", "model.hidden_s
                "model.num_heads=6", "model.vocab_size=70", "model.intermediate_size=200"]
 
 
-@pytest.mark.parametrize("lengths,steps", [([30, 20, 10], 3), ([64], 1), ([5, 40, 40, 7], 4)])
-def test_the_draft_ttt_formula_is_what_its_unroll_saves_for_backward(lengths, steps):
+@pytest.mark.parametrize("lengths,steps,head", [([30, 20, 10], 3, 0), ([64], 1, 0),
+                                                ([5, 40, 40, 7], 4, 0), ([30, 20, 10], 3, 24)])
+def test_the_draft_ttt_formula_is_what_its_unroll_saves_for_backward(lengths, steps, head):
     cfg = resolve("tiny", overrides=DRAFT_SHAPE)
     from cospec.draft.offline import build_draft
 
     draft = build_draft(cfg, Transformer(cfg.model))
     formula = ttt_activation_floats(draft.config, sum(lengths), len(lengths), max(lengths),
-                                    steps=steps, taps=len(draft.tap_layers)) * 4
-    assert formula == pytest.approx(ttt_saved_bytes(cfg, lengths, steps=steps), rel=0.001)
+                                    steps=steps, taps=len(draft.tap_layers), head=head) * 4
+    assert formula == pytest.approx(ttt_saved_bytes(cfg, lengths, steps=steps, head=head),
+                                    rel=0.001)
 
 
 def _ttt_saved_on_a_cp_rank(rank, world, lengths, steps):
@@ -355,6 +360,27 @@ def test_cospec_plan_prints_every_stage_and_refuses_a_bad_context(capsys):
     assert "fsdp_all_gather" in out and "pipeline" in out
     assert main(["plan", "--recipe", "tiny", "--context", "0"]) == 2
     assert "--context: must be >= 1" in capsys.readouterr().err
+
+
+def test_a_reduced_draft_head_is_planned_with_its_targets_kept_at_its_width(capsys):
+    """draft.vocab_size: the kept logits are Vd + 1 a token (`draft_targets`), not V; the
+    unroll's head activations are Vd wide (their formula: the test above, head=24)."""
+    cotrain = ["rollout.speculative=true", "draft.mode=cotrain", "parallel.pp=2",
+               "draft.cotrain_max_tokens=0"]
+    assert main(["plan", "--recipe", "tiny", *cotrain, "draft.vocab_size=12",
+                 "--context", "64"]) == 0  # a meta policy, a head of real ids
+    assert "draft_captured" in capsys.readouterr().out
+    full = resolve("tiny", overrides=cotrain)
+    reduced = resolve("tiny", overrides=[*cotrain, "draft.vocab_size=12"])
+    last = {cfg.draft.vocab_size: plan(cfg, context=64)[-1].memory for cfg in (full, reduced)}
+    from cospec.models.draft import default_tap_layers
+
+    taps = set(full.draft.tap_layers or default_tap_layers(full.model.num_layers))
+    row = len(taps) * full.model.hidden_size + 3  # the kept features, ids and loss mask
+    for part in ("draft_captured", "draft_capturing"):
+        assert last[12][part] / last[0][part] == pytest.approx(
+            (row + 13) / (row + full.model.vocab_size), rel=1e-9)
+    assert last[12]["draft_cotrain"] < last[0]["draft_cotrain"]
 
 
 def test_cospec_plan_reads_rollout_lengths_and_refuses_bad_ones(tmp_path, capsys):

@@ -13,6 +13,8 @@ Temperature 0 (greedy rollouts) trains at temperature 1: a one-hot target would 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -37,6 +39,17 @@ def compress_to_head(policy_logits_NV: Tensor, vocab_ids: Tensor, temperature: f
     outside[vocab_ids] = False
     bucket = t * (x[..., outside] / t).logsumexp(-1, keepdim=True)
     return torch.cat([x[..., vocab_ids], bucket], dim=-1)
+
+
+def draft_targets(vocab_ids: Tensor | None, temperature: float) -> Callable[[Tensor], Tensor]:
+    """``keep(policy_logits_TV) -> Tensor``: the form in which co-training keeps the policy's
+    logits for a draft's losses from the moment they are captured: `compress_to_head`'s
+    [T, Vd + 1] for a draft with a reduced head (everything its losses read of p; V / (Vd + 1)
+    times less to hold and, under cp and pp, to gather: 4x at a 128K vocabulary with a 32K head),
+    else the logits as they are."""
+    if vocab_ids is None:
+        return lambda logits: logits
+    return lambda logits: compress_to_head(logits, vocab_ids.to(logits.device), temperature)
 
 
 def _compressed(policy_logits: Tensor, vocab_ids: Tensor | None) -> bool:

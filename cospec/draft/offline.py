@@ -21,7 +21,7 @@ import torch
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.packing import pack_examples
 from cospec.data.prompts import TaskData
-from cospec.draft.losses import compress_to_head, masked_mean, soft_cross_entropy
+from cospec.draft.losses import draft_targets, masked_mean, soft_cross_entropy
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
@@ -112,12 +112,14 @@ def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
                    vocab_ids: torch.Tensor | None = None) -> list[TTTBatch]:
     """Step 2: the answers packed into batches of ~draft.tokens_per_batch tokens, each with the
     policy's detached taps and logits. With a reduced draft vocabulary the logits are kept as
-    `compress_to_head` (at the sampling temperature): Vd + 1 numbers a token instead of V, which
-    is what lets the data grow (SmolLM2: 4 GB of fp32 logits for 18K tokens otherwise)."""
+    `compress_to_head` (at the sampling temperature, `draft_targets`): Vd + 1 numbers a token
+    instead of V, which is what lets the data grow (SmolLM2: 4 GB of fp32 logits for 18K tokens
+    otherwise)."""
     d, device = cfg.draft, next(policy.parameters()).device
     encoded = [(c.prompt + c.tokens, [0] * len(c.prompt) + [1] * len(c.tokens))
                for c in completions if c.tokens]
     taps = default_tap_layers(policy.config.num_layers) if not d.tap_layers else d.tap_layers
+    keep = draft_targets(vocab_ids, cfg.sampling.temperature)
     batches, start = [], 0
     while start < len(encoded):
         used, end = 0, start
@@ -128,9 +130,7 @@ def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
         with torch.no_grad():
             out = policy(packed.tokens.to(device), cu_seqlens=packed.cu_seqlens.to(device),
                          tap_layers=taps)
-        logits = out.logits[0]
-        if vocab_ids is not None:
-            logits = compress_to_head(logits, vocab_ids.to(device), cfg.sampling.temperature)
+        logits = keep(out.logits[0])
         batches.append(TTTBatch(tokens=packed.tokens[0].to(device),
                                 cu_seqlens=packed.cu_seqlens.to(device),
                                 loss_mask=packed.loss_mask[0].to(device),

@@ -1,18 +1,20 @@
 """The co-trained EAGLE-3 draft's memory in a GRPO step, for `cospec plan` (cospec.parallel.plan).
 
 # T tokens of a TTT batch in N sequences of up to Lmax, C / I the draft's hidden and MLP width,
-# H / D its query heads and head dim, Vd its vocabulary, V the policy's, k the tapped layers
-# (distinct ones where kept, all of draft.tap_layers as the draft's input), J = draft.ttt_steps
+# H / D its query heads and head dim, Vd its head's vocabulary, V the policy's, k the tapped
+# layers (distinct ones where kept, all of draft.tap_layers as the draft's input), J =
+# draft.ttt_steps, Vk the width the policy's logits are kept in: V, or Vd + 1 for a reduced head
+# (`cospec.draft.losses.draft_targets`: the head's logits and one bucket for the rest)
 
 Three parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
 - captured: what the step keeps for the draft of each minibatch (`TTTBatch`, cut at capture to
   its share of draft.cotrain_max_tokens by `cotrain_sampler`: whole sequences drawn at random,
   at least one; counted as the share's tokens, their sequences in proportion, the minibatch's
-  longest): the tapped features k C, the policy's logits V, the token ids and loss mask,
-  (k C + V + 3) per token, held from the policy step until the draft has trained;
+  longest): the tapped features k C, the policy's logits Vk, the token ids and loss mask,
+  (k C + Vk + 3) per token, held from the policy step until the draft has trained;
 - capturing (pp only, during the policy step): a minibatch's features and logits whole, which
   the last stage keeps microbatch by microbatch until the minibatch is done and cut;
-- cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J V per token,
+- cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J Vk per token,
   and what the TTT unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss
   save, counted with saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
       (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N Lmax + 2 N H Lmax^2 + Lmax^2 / 4
@@ -35,15 +37,16 @@ FP32 = 4
 
 
 def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longest: int, *,
-                          steps: int, taps: int, ring: bool = False) -> float:
+                          steps: int, taps: int, ring: bool = False, head: int = 0) -> float:
     """fp32 numbers the EAGLE-3 TTT unroll and loss save for backward on a batch of ``tokens``
     in ``sequences`` of up to ``longest`` (the module docstring's formula); ``d`` the draft's
-    config. ``ring``: a cp rank's zigzag shard of ``tokens``, its trunk attention the ring's."""
-    T, N, L = tokens, sequences, longest
+    config, ``head`` its head's vocabulary Vd (0: d.vocab_size, a full head). ``ring``: a cp
+    rank's zigzag shard of ``tokens``, its trunk attention the ring's."""
+    T, N, L, Vd = tokens, sequences, longest, head or d.vocab_size
     C, H, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
     floats = (taps * C + C + 2 + (0 if ring else 2 * steps)) * T
     for j in range(steps):
-        floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4 * d.vocab_size + 5) * T
+        floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4 * Vd + 5) * T
         if ring:  # the ring's q, K/V, output and log-sum-exp; the branch keys and values
             floats += (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
         else:  # the dense trunk attention, and the branch
@@ -65,22 +68,23 @@ def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
 
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
-                       pp: int = 1) -> dict[str, float]:
+                       pp: int = 1, head: int = 0) -> dict[str, float]:
     """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
     of one): ``draft_captured``, ``draft_capturing`` (pp > 1) and ``draft_cotrain``. ``taps``:
     the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
-    included: its input); under ``cp`` the targets of the whole share, the activations of a
-    rank's shard."""
+    included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
+    ``cp`` the targets of the whole share, the activations of a rank's shard."""
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
-    row = taps * policy.hidden_size + policy.vocab_size + 3  # a kept token's features
+    kept_vocab = head + 1 if head else policy.vocab_size  # Vk
+    row = taps * policy.hidden_size + kept_vocab + 3  # a kept token's features
     kept = update = 0.0
     for mb in minibatches:
         T, N = kept_share(mb, per_batch)
         kept += row * T
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
-        update = max(update, steps * policy.vocab_size * T + ttt_activation_floats(
-            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1))
+        update = max(update, steps * kept_vocab * T + ttt_activation_floats(
+            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1, head=head))
     out = {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}
     if pp > 1:
         out["draft_capturing"] = row * max(sum(mb) for mb in minibatches) * FP32

@@ -304,11 +304,14 @@ class TapCapture:
     step: the one co-training path, which the GRPO trainer (`cospec.rl.pp_step`) and `cospec bench
     pp` both run. ``to_batch(micro, feats, logits_TV)``: how a microbatch's inputs become a
     `TTTBatch` (default: as they are; under pp x cp the shards gathered back into the whole row).
+    ``keep_logits``: the form the logits are kept in, applied before ``to_batch`` (default: as
+    they are; `cospec.draft.losses.draft_targets`).
     """
 
-    def __init__(self, taps, tap_layers, to_batch=None):
+    def __init__(self, taps, tap_layers, to_batch=None, keep_logits=None):
         self.taps, self.tap_layers = taps, tuple(tap_layers)
         self.to_batch = to_batch or self._whole
+        self.keep_logits = keep_logits or (lambda logits: logits)
         self.batches: dict[int, TTTBatch] = {}
 
     @staticmethod
@@ -320,7 +323,7 @@ class TapCapture:
 
     def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
         feats = self.taps.wait(mb.index, self.tap_layers)
-        self.batches[mb.index] = self.to_batch(mb, feats, logits_TV.detach())
+        self.batches[mb.index] = self.to_batch(mb, feats, self.keep_logits(logits_TV.detach()))
 
     def take(self) -> TTTBatch | None:
         """The step's microbatches as one packed `TTTBatch` (in microbatch order), and forget them."""

@@ -149,7 +149,8 @@ def _meta_models(cfg: RunConfig):
                    for s, r in enumerate(layers)])
         draft = None
         if cfg.rollout.speculative:
-            ids = torch.arange(cfg.draft.vocab_size) if cfg.draft.vocab_size else None
+            # the head's ids on the host: the draft checks them (a meta tensor has no values)
+            ids = torch.arange(cfg.draft.vocab_size, device="cpu") if cfg.draft.vocab_size else None
             draft = build_draft(cfg, policy, vocab_ids=ids)
     return policy, stages, layers, draft
 
@@ -270,7 +271,8 @@ def _draft_cotrain_memory(run: _Run) -> dict:
     budget = max(1, d.cotrain_max_tokens // p.dp) if d.cotrain_max_tokens else 0
     parts = [draft_memory_bytes(m, run.draft.config, replica_minibatches(run.cfg, run.lengths, r),
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
-                                max_tokens=budget, cp=p.cp, pp=p.pp) for r in range(p.dp)]
+                                max_tokens=budget, cp=p.cp, pp=p.pp,
+                                head=d.vocab_size) for r in range(p.dp)]
     return {k: max(part[k] for part in parts) for k in parts[0]}
 
 

@@ -16,8 +16,9 @@ The draft's data: its TTT unroll at anchor t reads the features at t-1 and the t
 may sit on another rank. The detached taps and logits of the shard are all-gathered back into the
 unsharded row (`ZigzagLayout.gather`), laid out by anchor (`ttt_steps`) and re-sharded by
 `cospec.parallel.draft_cp`, whose ring trunk + branch attention never all-gathers K/V. The gather
-moves [T, 3C + V] floats per minibatch (once, not per layer); a halo exchange of ttt_steps tokens
-per chunk edge would avoid it and is not built.
+moves [T, 3C + V] floats per minibatch (once, not per layer; V is Vd + 1 for a draft with a
+reduced head, whose targets are compressed before the gather); a halo exchange of ttt_steps
+tokens per chunk edge would avoid it and is not built.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ class ContextParallelPolicyStep:
 
     def __init__(self, policy, reference, optimizer, *, group, temperature: float, clip_low: float,
                  clip_high: float, kl_coef: float, grad_clip: float, autocast: str = "",
-                 data_parallel: bool = False, dp_group=None):
+                 data_parallel: bool = False, dp_group=None, draft_targets=None):
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
+        self.draft_targets = draft_targets or (lambda logits: logits)  # as in LocalPolicyStep
         self.group, self.autocast = group, autocast
         self.data_parallel, self.dp_group = data_parallel, dp_group
         self.rank, self.cp = dist.get_rank(group), dist.get_world_size(group)
@@ -101,7 +103,7 @@ class ContextParallelPolicyStep:
             captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens,
                                      loss_mask=mb.loss_mask,
                                      taps={k: gather(v[0]) for k, v in out.taps.items()},
-                                     policy_logits=gather(out.logits[0])))
+                                     policy_logits=gather(self.draft_targets(out.logits[0]))))
         return sums, grad_norm, captured
 
 

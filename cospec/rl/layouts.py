@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from cospec.config import ConfigError, RunConfig
+from cospec.draft.losses import draft_targets
 from cospec.draft.ttt import ttt_loss
 from cospec.rl.policy_step import LocalPolicyStep
 from cospec.rl.weight_sync import InProcessWeightSync
@@ -50,7 +51,7 @@ def build_policy_layout(cfg: RunConfig, policy, *, group, draft, rollout_policy,
     reference = (copy.deepcopy(policy).eval().requires_grad_(False)  # KL anchor
                  if g.log_kl or g.kl_coef else None)
     optimizer = _adamw(trained, cfg)
-    kwargs = _loss_kwargs(cfg)
+    kwargs = _step_kwargs(cfg, draft)
     generates = group is None or group.generates
     syncs = dict(weight_sync=InProcessWeightSync(rollout_policy) if generates else None,
                  draft_sync=InProcessWeightSync(rollout_draft) if rollout_draft is not None else None)
@@ -85,11 +86,11 @@ def _data_parallel(cfg: RunConfig, policy, group, draft, rollout_policy,
 
         step = ContextParallelPolicyStep(trained, reference, optimizer, group=group.cp_group,
                                          autocast=g.autocast, data_parallel=True,
-                                         dp_group=group.dp_group, **_loss_kwargs(cfg))
+                                         dp_group=group.dp_group, **_step_kwargs(cfg, draft))
         draft_loss = ContextParallelDraftLoss(group=group.cp_group, sum_group=None)
     else:
         step = DataParallelPolicyStep(trained, reference, optimizer, group=None,
-                                      autocast=g.autocast, **_loss_kwargs(cfg))
+                                      autocast=g.autocast, **_step_kwargs(cfg, draft))
         draft_loss = DataParallelDraftLoss(group=None)
     reduce_draft_grads = draft_loss.reduce_grads
     draft_sync = InProcessWeightSync(rollout_draft) if rollout_draft is not None else None
@@ -128,7 +129,7 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
         pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
         dp_group=group.dp_group, data_parallel=sharded,
         num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
-        tap_layers=taps, **_loss_kwargs(cfg))
+        tap_layers=taps, **_step_kwargs(cfg, draft))
     feeds_engine = group.cp_rank == 0  # the pipeline of cp column 0 gathers for the engine
     weight_sync = (StageWeightSync(group.pipe_group if feeds_engine else None, rollout_policy,
                                    dst=group.replica_first_rank)
@@ -184,7 +185,9 @@ def _adamw(module, cfg: RunConfig) -> torch.optim.AdamW:
                              weight_decay=g.weight_decay)
 
 
-def _loss_kwargs(cfg: RunConfig) -> dict:
-    g = cfg.grpo
-    return dict(temperature=cfg.sampling.temperature, clip_low=g.clip_low, clip_high=g.clip_high,
-                kl_coef=g.kl_coef, grad_clip=g.grad_clip)
+def _step_kwargs(cfg: RunConfig, draft) -> dict:
+    """The policy step's loss settings, and the form it keeps the logits in for the draft."""
+    g, t = cfg.grpo, cfg.sampling.temperature
+    return dict(temperature=t, clip_low=g.clip_low, clip_high=g.clip_high, kl_coef=g.kl_coef,
+                grad_clip=g.grad_clip,
+                draft_targets=draft_targets(getattr(draft, "vocab_ids", None), t))

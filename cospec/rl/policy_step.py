@@ -157,12 +157,16 @@ class LocalPolicyStep:
     """The policy step on one process: forward (with the draft's taps when asked), the reference
     forward (none when ``reference`` is None), loss, backward, clip, optimizer step.
     ``captured``: one `TTTBatch` (detached taps and logits of this same forward: co-training
-    costs no policy forward). ``autocast``: the forwards' mixed precision (`grpo.autocast`)."""
+    costs no policy forward), its logits kept as ``draft_targets`` makes them
+    (`cospec.draft.losses.draft_targets`; default: as they are). ``autocast``: the forwards'
+    mixed precision (`grpo.autocast`)."""
 
     def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
-                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = ""):
+                 clip_high: float, kl_coef: float, grad_clip: float, autocast: str = "",
+                 draft_targets=None):
         self.policy, self.reference, self.optimizer = policy, reference, optimizer
         self.autocast = autocast
+        self.draft_targets = draft_targets or (lambda logits: logits)
         self.loss_kwargs = dict(temperature=temperature, clip_low=clip_low, clip_high=clip_high,
                                 kl_coef=kl_coef)
         self.grad_clip = grad_clip
@@ -185,5 +189,5 @@ class LocalPolicyStep:
         if tap_layers:
             captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
                                      taps={k: v[0] for k, v in out.taps.items()},
-                                     policy_logits=out.logits[0].detach()))
+                                     policy_logits=self.draft_targets(out.logits[0].detach())))
         return sums, grad_norm, captured

@@ -68,14 +68,17 @@ class PipelinedPolicyStep:
 
     model, reference: this rank's stage of the policy and of the reference (`build_stage`);
     stage_layers: every stage's layer range (`split_layers`); tap_layers: the draft's (the channel
-    is built for them; a call with no tap_layers runs without taps).
+    is built for them; a call with no tap_layers runs without taps); draft_targets: the form the
+    last stage keeps its logits in for the draft (as in `LocalPolicyStep`).
     """
 
     def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
                  pipe_group, tap_group, num_microbatches: int, schedule: str, tap_layers=(),
                  cp_group=None, dp_group=None, data_parallel: bool = False, temperature: float,
-                 clip_low: float, clip_high: float, kl_coef: float, grad_clip: float):
+                 clip_low: float, clip_high: float, kl_coef: float, grad_clip: float,
+                 draft_targets=None):
         self.model, self.reference, self.optimizer = model, reference, optimizer
+        self.draft_targets = draft_targets
         self.stage, self.num_stages = stage, len(stage_layers)
         self.first, self.last = stage == 0, stage == self.num_stages - 1
         self.pipe_group, self.num_microbatches, self.schedule = pipe_group, num_microbatches, schedule
@@ -164,7 +167,8 @@ class PipelinedPolicyStep:
             gather = (None if layouts is None else
                       lambda micro, feats, logits: self._whole_row(micro, feats, logits, wholes,
                                                                    layouts))
-            capture = TapCapture(taps, self.tap_layers, to_batch=gather)
+            capture = TapCapture(taps, self.tap_layers, to_batch=gather,
+                                 keep_logits=self.draft_targets)
         self.optimizer.zero_grad(set_to_none=True)
         with self._gathered(self.model) as gathered:
             step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
