@@ -16,7 +16,8 @@ import torch
 from cospec.config import ModelConfig, resolve
 from cospec.draft.offline import (build_draft, policy_batches, sample_responses, task_data,
                                   train_draft_offline)
-from cospec.draft.ttt import TTTBatch, entry_features, sample_sequences, ttt_loss, ttt_steps, ttt_unroll
+from cospec.draft.ttt import (TTTBatch, choose_sequences, entry_features, select_sequences, ttt_loss,
+                              ttt_steps, ttt_unroll)
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.llama import Transformer
@@ -153,15 +154,15 @@ def test_offline_training_raises_the_drafts_acceptance_on_held_out_answers():
     assert all(a > b + 0.08 for a, b in zip(after, before)), (before, after)
 
 
-def test_sample_sequences_keeps_random_whole_sequences_within_the_token_budget(policy):
+def test_chosen_sequences_are_random_whole_sequences_within_the_token_budget(policy):
     draft = Eagle3Draft.from_policy(policy)
     lengths = [9, 5, 12, 7, 3]
     batch = packed_batch(policy, draft, lengths)
     starts = [0, 9, 14, 26, 33]
     seen = set()
     for seed in range(20):
-        cut = sample_sequences(batch, 20, random.Random(seed))
-        kept = (cut.cu_seqlens[1:] - cut.cu_seqlens[:-1]).tolist()
+        cut = select_sequences(batch, choose_sequences(lengths, 20, random.Random(seed)))
+        kept = cut.sequence_lengths()
         assert 0 < sum(kept) <= 20 or len(kept) == 1
         # Whole sequences, in their original order, each with its own tokens, taps and logits.
         ids = [lengths.index(n) for n in kept]  # lengths are distinct
@@ -172,45 +173,43 @@ def test_sample_sequences_keeps_random_whole_sequences_within_the_token_budget(p
         assert torch.equal(cut.policy_logits, batch.policy_logits[index])
         seen.add(tuple(ids))
     assert len(seen) > 3  # random subsets, not always the leading sequences
-    assert sample_sequences(batch, 0, random.Random(0)) is batch
-    assert sample_sequences(batch, 36, random.Random(0)) is batch
+    assert choose_sequences(lengths, 0, random.Random(0)) is None  # no budget: all
+    assert choose_sequences(lengths, 36, random.Random(0)) is None  # all fit
+    assert select_sequences(batch, None) is batch
 
 
-def test_the_trainer_keeps_of_each_minibatch_only_what_the_draft_will_train_on(tmp_path):
-    """The co-training budget cuts the captured features and logits as each minibatch comes (not
-    after the whole policy step): the same sequences `cotrain_draft` draws from the whole."""
-    from cospec.config import resolve
+def test_the_policy_step_captures_only_the_sequences_the_draft_will_train_on(tmp_path):
+    """The co-training budget is drawn from each minibatch's sequence lengths before its forward
+    and the step captures only those rows: the same data as capturing the whole minibatch and
+    drawing from it after (what `cotrain_draft` draws, by the same seed)."""
     from cospec.draft.cotrain import cotrain_sampler
-    from cospec.draft.offline import build_draft
     from cospec.rl.trainer import GRPOTrainer
 
-    cfg = resolve("tiny", overrides=[f"out_dir={tmp_path}", "rollout.speculative=true",
-                                     "draft.mode=cotrain", "draft.cotrain_max_tokens=120",
-                                     "grpo.micro_steps=2", "rollout.adaptive=false"])
-    torch.manual_seed(0)
-    policy = Transformer(cfg.model)
-    trainer = GRPOTrainer(cfg, policy, draft=build_draft(cfg, policy), tensorboard=False)
-    whole, step = [], trainer.policy_step
+    def trainer_with(budget):
+        cfg = resolve("tiny", overrides=[f"out_dir={tmp_path}", "rollout.speculative=true",
+                                         "draft.mode=cotrain", f"draft.cotrain_max_tokens={budget}",
+                                         "grpo.micro_steps=2", "rollout.adaptive=false"])
+        torch.manual_seed(0)
+        policy = Transformer(cfg.model)
+        return GRPOTrainer(cfg, policy, draft=build_draft(cfg, policy), tensorboard=False)
 
-    def recording(mb, tap_layers):
-        out = step(mb, tap_layers)
-        whole.extend(out[2])
-        return out
-
-    trainer.policy_step = recording
-    batch = trainer.generate()
-    trainer.score(batch)
-    trainer.compute_advantages(batch)
-    trainer.train_policy(batch)
-    take = cotrain_sampler(cfg.draft, len(whole), trainer.g.seed * 1_000_003 + trainer.step)
-    expected = [take(b) for b in whole]
+    everything, cut = trainer_with(0), trainer_with(120)
+    batch = everything.generate()
+    everything.score(batch)
+    everything.compute_advantages(batch)
+    for trainer in (everything, cut):  # the same rollouts, the same policy updates
+        trainer.train_policy(batch)
+    whole = everything._draft_data
+    choose = cotrain_sampler(cut.cfg.draft, len(whole), cut.g.seed * 1_000_003 + cut.step)
+    expected = [select_sequences(b, choose(b.sequence_lengths())) for b in whole]
     assert len(whole) == 2 and sum(len(b.tokens) for b in whole) > 120  # the budget cuts
-    assert [b.tokens.tolist() for b in trainer._draft_data] == [b.tokens.tolist() for b in expected]
-    for kept, want in zip(trainer._draft_data, expected):
+    assert [b.tokens.tolist() for b in cut._draft_data] == [b.tokens.tolist() for b in expected]
+    for kept, want in zip(cut._draft_data, expected):
+        assert torch.equal(kept.cu_seqlens, want.cu_seqlens)
         assert torch.equal(kept.policy_logits, want.policy_logits)
-    assert sum(len(b.tokens) for b in trainer._draft_data) <= 120 + max(
-        int(n) for b in whole for n in b.cu_seqlens[1:] - b.cu_seqlens[:-1])  # whole sequences
-
+        assert all(torch.equal(kept.taps[k], want.taps[k]) for k in want.taps)
+    assert sum(len(b.tokens) for b in cut._draft_data) <= 120 + max(
+        n for b in whole for n in b.sequence_lengths())  # whole sequences, at least one
 
 
 def test_a_reduced_head_keeps_its_logits_and_a_bucket_and_trains_as_on_the_whole_logits(tmp_path):

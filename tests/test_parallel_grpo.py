@@ -185,12 +185,17 @@ def _train_then_resume(rank, num_ranks, out_dir, layout, split):
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("pp2", 2), ("dp2", 2), ("dp2xpp2", 4)])
 def test_a_distributed_run_resumes_bit_identically(tmp_path, layout, ranks):
-    """Every rank's optimizer state travels through the checkpoint (under dp the full state of
-    each FSDP2-sharded stage): interrupted after step 2 and resumed, the run ends with exactly the
-    weights of an uninterrupted one (gloo on CPU is deterministic)."""
+    """Every rank's optimizer state travels through the checkpoint, each rank writing its own
+    part through DCP (its stage, replica or FSDP2 shards; nothing gathered on rank 0):
+    interrupted after step 2 and resumed, the run ends with exactly the weights of an
+    uninterrupted one (gloo on CPU is deterministic)."""
     whole = spawn(_train_then_resume, ranks, str(tmp_path / "whole"), layout, None, timeout_s=120)[0]
     resumed = spawn(_train_then_resume, ranks, str(tmp_path / "resumed"), layout, 2,
                     timeout_s=120)[0]
+    saved = tmp_path / "resumed" / "rl" / "checkpoints" / "step_000002"
+    assert (saved / "sharded").is_dir()
+    state = torch.load(saved / "trainer_state.pt", weights_only=False)
+    assert state["sharded"] and "optimizer" not in state and "rank_states" not in state
     for part in ("policy", "draft"):
         assert whole[part].keys() == resumed[part].keys()
         assert all(torch.equal(whole[part][k], v) for k, v in resumed[part].items()), part

@@ -14,20 +14,22 @@ import random
 import torch
 
 from cospec.config import DraftConfig
-from cospec.draft.ttt import TTTBatch, sample_sequences
+from cospec.draft.ttt import TTTBatch, choose_sequences, select_sequences
 
 
 def cotrain_sampler(d: DraftConfig, num_batches: int, seed: int):
-    """``take(batch) -> batch``: what `cotrain_draft` trains on of each of a step's
-    ``num_batches`` captured batches, in the order they come (their share of
-    ``d.cotrain_max_tokens``, whole sequences drawn by ``seed``). The trainer applies it as each
-    minibatch is captured, so that a step keeps the budget's share of the policy's logits and
+    """``choose(lengths) -> sequences | None``: the whole sequences `cotrain_draft` trains on of
+    each of a step's ``num_batches`` minibatches, given their sequence lengths in the order the
+    minibatches come (their share of ``d.cotrain_max_tokens``, drawn by ``seed``;
+    `choose_sequences`). The trainer draws them before each minibatch's policy step, which
+    captures only those rows, so that a step keeps the budget's share of the policy's logits and
     features rather than every token's (V floats a token: at a 128K vocabulary and 32K-token
-    rollouts, a TiB a rank; docs/results/parallel_grpo.md); `cotrain_draft` then draws the same
-    again, which leaves a batch already within its share as it is."""
+    rollouts, a TiB a rank; docs/results/parallel_grpo.md), also on a pipeline's last stage,
+    microbatch by microbatch; `cotrain_draft` then draws again, which leaves a batch already
+    within its share as it is."""
     per_batch = max(1, d.cotrain_max_tokens // num_batches) if d.cotrain_max_tokens else 0
     rng = random.Random(seed)
-    return lambda batch: sample_sequences(batch, per_batch, rng)
+    return lambda lengths: choose_sequences(lengths, per_batch, rng)
 
 
 def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *, temperature: float,
@@ -39,8 +41,8 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
     acceptance per TTT step, and how many updates were skipped as non-finite."""
     draft.train()
     metrics: dict = {}
-    take = cotrain_sampler(d, len(captured), seed)
-    data = [take(b) for b in captured]
+    choose = cotrain_sampler(d, len(captured), seed)
+    data = [select_sequences(b, choose(b.sequence_lengths())) for b in captured]
     skipped = 0
     for _ in range(d.cotrain_iters):
         for batch in data:

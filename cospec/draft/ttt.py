@@ -49,6 +49,9 @@ class TTTBatch:
     taps: dict[int, Tensor]
     policy_logits: Tensor
 
+    def sequence_lengths(self) -> list[int]:
+        return (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+
 
 def cat_batches(batches: list[TTTBatch]) -> TTTBatch:
     """One packed row of the batches' sequences, in order (pipeline microbatches back into the
@@ -66,17 +69,16 @@ def cat_batches(batches: list[TTTBatch]) -> TTTBatch:
                     policy_logits=torch.cat([b.policy_logits for b in batches]))
 
 
-def sample_sequences(batch: TTTBatch, max_tokens: int, rng: random.Random) -> TTTBatch:
-    """Whole sequences of `batch` drawn in a random order until the next one would pass
-    max_tokens (at least one), kept in their original order; the batch itself when it fits.
+def choose_sequences(lengths: list[int], max_tokens: int, rng: random.Random) -> list[int] | None:
+    """The whole sequences (indices into ``lengths``, increasing) drawn in a random order until
+    the next one would pass max_tokens (at least one); None, drawing nothing, when all fit.
+    Made from the lengths alone, so a policy step can keep only these rows as it captures them.
 
     Random, not the leading ones: a step's rollouts come grouped by prompt (group_size answers
     each), so the first sequences would be a handful of prompts' groups.
     """
-    cu = batch.cu_seqlens
-    if max_tokens <= 0 or int(cu[-1]) <= max_tokens:
-        return batch
-    lengths = (cu[1:] - cu[:-1]).tolist()
+    if max_tokens <= 0 or sum(lengths) <= max_tokens:
+        return None
     order = list(range(len(lengths)))
     rng.shuffle(order)
     chosen, used = [], 0
@@ -85,8 +87,17 @@ def sample_sequences(batch: TTTBatch, max_tokens: int, rng: random.Random) -> TT
             break
         chosen.append(i)
         used += lengths[i]
-    chosen.sort()
-    index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]), device=cu.device) for i in chosen])
+    return sorted(chosen)
+
+
+def select_sequences(batch: TTTBatch, chosen: list[int] | None) -> TTTBatch:
+    """The sequences ``chosen`` of `batch` (increasing indices) as a batch of their own (a copy);
+    the batch itself for None."""
+    if chosen is None:
+        return batch
+    cu, lengths = batch.cu_seqlens, batch.sequence_lengths()
+    index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]), device=cu.device) for i in chosen]
+                      or [torch.zeros(0, dtype=torch.long, device=cu.device)])
     new_cu = torch.tensor([0] + [lengths[i] for i in chosen], device=cu.device).cumsum(0)
     return TTTBatch(tokens=batch.tokens[index], cu_seqlens=new_cu.to(cu.dtype),
                     loss_mask=batch.loss_mask[index], taps={k: v[index] for k, v in batch.taps.items()},

@@ -6,14 +6,13 @@
 # draft.ttt_steps, Vk the width the policy's logits are kept in: V, or Vd + 1 for a reduced head
 # (`cospec.draft.losses.draft_targets`: the head's logits and one bucket for the rest)
 
-Three parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
-- captured: what the step keeps for the draft of each minibatch (`TTTBatch`, cut at capture to
-  its share of draft.cotrain_max_tokens by `cotrain_sampler`: whole sequences drawn at random,
-  at least one; counted as the share's tokens, their sequences in proportion, the minibatch's
-  longest): the tapped features k C, the policy's logits Vk, the token ids and loss mask,
-  (k C + Vk + 3) per token, held from the policy step until the draft has trained;
-- capturing (pp only, during the policy step): a minibatch's features and logits whole, which
-  the last stage keeps microbatch by microbatch until the minibatch is done and cut;
+Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
+- captured: what the step keeps for the draft of each minibatch (`TTTBatch`, only the rows of
+  its share of draft.cotrain_max_tokens, drawn before the minibatch's forward by
+  `cotrain_sampler`: whole sequences at random, at least one; counted as the share's tokens,
+  their sequences in proportion, the minibatch's longest; under pp the last stage keeps them
+  microbatch by microbatch): the tapped features k C, the policy's logits Vk, the token ids and
+  loss mask, (k C + Vk + 3) per token, held from the policy step until the draft has trained;
 - cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J Vk per token,
   and what the TTT unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss
   save, counted with saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
@@ -68,9 +67,9 @@ def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
 
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
-                       pp: int = 1, head: int = 0) -> dict[str, float]:
+                       head: int = 0) -> dict[str, float]:
     """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
-    of one): ``draft_captured``, ``draft_capturing`` (pp > 1) and ``draft_cotrain``. ``taps``:
+    of one): ``draft_captured`` and ``draft_cotrain``. ``taps``:
     the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
     included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
     ``cp`` the targets of the whole share, the activations of a rank's shard."""
@@ -85,7 +84,4 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
         update = max(update, steps * kept_vocab * T + ttt_activation_floats(
             d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1, head=head))
-    out = {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}
-    if pp > 1:
-        out["draft_capturing"] = row * max(sum(mb) for mb in minibatches) * FP32
-    return out
+    return {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}

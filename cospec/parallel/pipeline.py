@@ -44,7 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from cospec.draft.ttt import TTTBatch, cat_batches
+from cospec.draft.ttt import TTTBatch, cat_batches, select_sequences
 from cospec.models.llama import Transformer
 from cospec.parallel.tap_channel import TapChannel
 
@@ -305,13 +305,16 @@ class TapCapture:
     pp` both run. ``to_batch(micro, feats, logits_TV)``: how a microbatch's inputs become a
     `TTTBatch` (default: as they are; under pp x cp the shards gathered back into the whole row).
     ``keep_logits``: the form the logits are kept in, applied before ``to_batch`` (default: as
-    they are; `cospec.draft.losses.draft_targets`).
+    they are; `cospec.draft.losses.draft_targets`); ``sequences``: {microbatch index: the
+    indices of its sequences to keep} (None: all), so that the stage holds only what the draft
+    trains on, never a whole minibatch's logits.
     """
 
-    def __init__(self, taps, tap_layers, to_batch=None, keep_logits=None):
+    def __init__(self, taps, tap_layers, to_batch=None, keep_logits=None, sequences=None):
         self.taps, self.tap_layers = taps, tuple(tap_layers)
         self.to_batch = to_batch or self._whole
         self.keep_logits = keep_logits or (lambda logits: logits)
+        self.sequences = sequences
         self.batches: dict[int, TTTBatch] = {}
 
     @staticmethod
@@ -323,7 +326,10 @@ class TapCapture:
 
     def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
         feats = self.taps.wait(mb.index, self.tap_layers)
-        self.batches[mb.index] = self.to_batch(mb, feats, self.keep_logits(logits_TV.detach()))
+        batch = self.to_batch(mb, feats, self.keep_logits(logits_TV.detach()))
+        keep = None if self.sequences is None else self.sequences[mb.index]
+        if keep != []:  # a microbatch none of whose sequences the draft trains on keeps nothing
+            self.batches[mb.index] = select_sequences(batch, keep)
 
     def take(self) -> TTTBatch | None:
         """The step's microbatches as one packed `TTTBatch` (in microbatch order), and forget them."""

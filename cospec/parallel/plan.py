@@ -29,8 +29,8 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
   padded to the longest, microbatches of more rows): size with the longest length, which bounded
   every run measured in docs/results/parallel_grpo.md.
 - the draft's co-training (`cospec.parallel.draft_memory`): its kept share of the captured
-  features and logits, under pp the minibatch being captured, and its update; the peak
-  (`StagePlan.total_memory`) counts the policy step's phase or the draft's, the larger.
+  features and logits, and its update; the peak (`StagePlan.total_memory`) counts the policy
+  step's phase or the draft's, the larger.
 Collective bytes per step (what one rank receives; the ring and tree algorithms move about as much
 as they receive):
 - FSDP2: every forward and backward of a minibatch all-gathers the stage ((n - 1) / n of its
@@ -67,8 +67,8 @@ from cospec.parallel.pipeline import schedule_actions, split_layers
 
 FP32 = 4
 #: the parts of a step that are live only in one phase of it: the policy step (its saved
-#: activations; under pp the last stage's minibatch of captured features), then the draft's update
-PHASES = (("activations", "draft_capturing"), ("draft_cotrain",))
+#: activations), then the draft's update
+PHASES = (("activations",), ("draft_cotrain",))
 DTYPE_BYTES = {"": FP32, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
@@ -271,8 +271,8 @@ def _draft_cotrain_memory(run: _Run) -> dict:
     budget = max(1, d.cotrain_max_tokens // p.dp) if d.cotrain_max_tokens else 0
     parts = [draft_memory_bytes(m, run.draft.config, replica_minibatches(run.cfg, run.lengths, r),
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
-                                max_tokens=budget, cp=p.cp, pp=p.pp,
-                                head=d.vocab_size) for r in range(p.dp)]
+                                max_tokens=budget, cp=p.cp, head=d.vocab_size)
+             for r in range(p.dp)]
     return {k: max(part[k] for part in parts) for k in parts[0]}
 
 

@@ -34,9 +34,10 @@ is the pp x cp ranks of one dp_rank. Roles:
 - pp x cp: every stage is held by cp ranks that shard each microbatch (zigzag, ring attention
   inside the stage's cp group); the pipeline and TapChannel run per cp column (cp rank c of every
   stage); the last stage's cp ranks co-train the draft on zigzag shards.
-Checkpoints hold the full policy (rank 0's synced copy) and every rank's optimizer state (under
-dp every rank's shards, through `torch.distributed.checkpoint`: `cospec.rl.trainer_state`), so a
-run resumes with the same parallel layout (the resume check compares the whole config).
+Checkpoints hold the full policy (rank 0's synced copy) and every rank's part of the trained
+state (its shards, stage or replica, with its optimizer state, written by each rank through
+`torch.distributed.checkpoint`: `cospec.rl.trainer_state`), so a run resumes with the same
+parallel layout (the resume check compares the whole config).
 """
 
 from __future__ import annotations
@@ -135,12 +136,6 @@ class TrainGroup:
         """The group of this rank's replica for collectives (None: the world, under cp or pp
         alone)."""
         return self.replica_group if self.dp > 1 else None
-
-    def gather(self, obj, dst: int = 0) -> list | None:
-        """Every rank's ``obj``, in rank order, on rank ``dst`` (None elsewhere)."""
-        out = [None] * self.world if self.rank == dst else None
-        dist.gather_object(obj, out, dst=dst)
-        return out
 
 
 def check_launch(parallel: ParallelConfig) -> None:

@@ -7,8 +7,9 @@ Layout under ``<out_dir>/rl/checkpoints``:
         draft/               the draft, when the run has one (`save_draft`)
         trainer_state.pt     optimizer state(s), RNG states, prompt-stream state, step, controller
         config.json          the run config
-        sharded/             under parallel.dp: the sharded policy and optimizer states,
-                             `torch.distributed.checkpoint` files (each rank wrote its own shards)
+        sharded/             distributed runs: the trained policy's shards, stages or replicas
+                             and their optimizer states, `torch.distributed.checkpoint` files
+                             (each rank wrote its own part)
     latest                   name of the newest complete checkpoint ("step_000010")
 
 Atomicity: a checkpoint is written into a hidden temporary directory and renamed into place in one

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cospec.data.tokenizer import PAD
-from cospec.draft.ttt import TTTBatch, ttt_steps
+from cospec.draft.ttt import TTTBatch, select_sequences, ttt_steps
 from cospec.models.precision import autocast
 from cospec.parallel.data_parallel import all_reduce_sum
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
@@ -73,7 +73,8 @@ class ContextParallelPolicyStep:
                                 kl_coef=kl_coef)
         self.grad_clip = grad_clip
 
-    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+    def __call__(self, mb: PolicyMinibatch, tap_layers=(),
+                 sequences=None) -> tuple[Tensor, float, list[TTTBatch]]:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
         if self.data_parallel:
@@ -100,10 +101,10 @@ class ContextParallelPolicyStep:
         captured = []
         if tap_layers:
             gather = lambda x: layout.gather(x.detach(), self.group, dim=0)  # noqa: E731
-            captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens,
-                                     loss_mask=mb.loss_mask,
-                                     taps={k: gather(v[0]) for k, v in out.taps.items()},
-                                     policy_logits=gather(self.draft_targets(out.logits[0]))))
+            captured.append(select_sequences(TTTBatch(
+                tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
+                taps={k: gather(v[0]) for k, v in out.taps.items()},
+                policy_logits=gather(self.draft_targets(out.logits[0]))), sequences))
         return sums, grad_norm, captured
 
 

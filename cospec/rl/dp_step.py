@@ -44,11 +44,11 @@ class DataParallelPolicyStep(LocalPolicyStep):
         super().__init__(*args, **kwargs)
         self.group = group
 
-    def __call__(self, mb: PolicyMinibatch, tap_layers=()):
+    def __call__(self, mb: PolicyMinibatch, tap_layers=(), sequences=None):
         device = next(self.policy.parameters()).device
         total = all_reduce_sum(torch.tensor(float(mb.num_tokens), device=device), self.group)
         mb = dataclasses.replace(mb, num_tokens=int(total))
-        sums, grad_norm, captured = super().__call__(mb, tap_layers)
+        sums, grad_norm, captured = super().__call__(mb, tap_layers, sequences)
         return all_reduce_sum(sums, self.group), grad_norm, captured
 
 

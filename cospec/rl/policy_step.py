@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from cospec.data.packing import balanced_cuts, pack_examples
-from cospec.draft.ttt import TTTBatch
+from cospec.draft.ttt import TTTBatch, select_sequences
 from cospec.models.integrity import NonFiniteError
 from cospec.models.precision import autocast
 from cospec.rl import grpo
@@ -157,9 +157,10 @@ class LocalPolicyStep:
     """The policy step on one process: forward (with the draft's taps when asked), the reference
     forward (none when ``reference`` is None), loss, backward, clip, optimizer step.
     ``captured``: one `TTTBatch` (detached taps and logits of this same forward: co-training
-    costs no policy forward), its logits kept as ``draft_targets`` makes them
-    (`cospec.draft.losses.draft_targets`; default: as they are). ``autocast``: the forwards'
-    mixed precision (`grpo.autocast`)."""
+    costs no policy forward): of the sequences a call names in ``sequences`` (None: all; what
+    the draft will train on, `cospec.draft.cotrain.cotrain_sampler`), its logits kept as
+    ``draft_targets`` makes them (`cospec.draft.losses.draft_targets`; default: as they are).
+    ``autocast``: the forwards' mixed precision (`grpo.autocast`)."""
 
     def __init__(self, policy, reference, optimizer, *, temperature: float, clip_low: float,
                  clip_high: float, kl_coef: float, grad_clip: float, autocast: str = "",
@@ -171,7 +172,8 @@ class LocalPolicyStep:
                                 kl_coef=kl_coef)
         self.grad_clip = grad_clip
 
-    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+    def __call__(self, mb: PolicyMinibatch, tap_layers=(),
+                 sequences=None) -> tuple[Tensor, float, list[TTTBatch]]:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
         with autocast(self.autocast, device):
@@ -187,7 +189,10 @@ class LocalPolicyStep:
                                                                   self.grad_clip))
         captured = []
         if tap_layers:
-            captured.append(TTTBatch(tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
-                                     taps={k: v[0] for k, v in out.taps.items()},
-                                     policy_logits=self.draft_targets(out.logits[0].detach())))
+            kept = select_sequences(TTTBatch(
+                tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
+                taps={k: v[0] for k, v in out.taps.items()},
+                policy_logits=out.logits[0].detach()), sequences)
+            kept.policy_logits = self.draft_targets(kept.policy_logits)
+            captured.append(kept)
         return sums, grad_norm, captured

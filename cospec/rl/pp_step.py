@@ -63,13 +63,27 @@ def clip_grad_norm_across_stages(params, max_norm: float, group) -> Tensor:
     return total
 
 
+def by_microbatch(sequences: list[int] | None, microbatches) -> dict[int, list[int]] | None:
+    """The minibatch's ``sequences`` (increasing indices; None: all) as each microbatch's own
+    indices (microbatches of consecutive whole sequences, in order)."""
+    if sequences is None:
+        return None
+    out, first = {}, 0
+    for m in microbatches:
+        n = len(m.cu_seqlens) - 1
+        out[m.index] = [i - first for i in sequences if first <= i < first + n]
+        first += n
+    return out
+
+
 class PipelinedPolicyStep:
     """`cospec.rl.policy_step.LocalPolicyStep` over pipeline stages (see the module docstring).
 
     model, reference: this rank's stage of the policy and of the reference (`build_stage`);
     stage_layers: every stage's layer range (`split_layers`); tap_layers: the draft's (the channel
     is built for them; a call with no tap_layers runs without taps); draft_targets: the form the
-    last stage keeps its logits in for the draft (as in `LocalPolicyStep`).
+    last stage keeps its logits in for the draft, and a call's ``sequences`` those it keeps
+    (microbatch by microbatch, as they come), as in `LocalPolicyStep`.
     """
 
     def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
@@ -141,7 +155,8 @@ class PipelinedPolicyStep:
         t.finish()
         return logits
 
-    def __call__(self, mb: PolicyMinibatch, tap_layers=()) -> tuple[Tensor, float, list[TTTBatch]]:
+    def __call__(self, mb: PolicyMinibatch, tap_layers=(),
+                 sequences=None) -> tuple[Tensor, float, list[TTTBatch]]:
         if tap_layers and tuple(tap_layers) != self.tap_layers:
             raise ValueError(f"tap_layers {tuple(tap_layers)}: the TapChannel was built for "
                              f"{self.tap_layers}")
@@ -168,7 +183,8 @@ class PipelinedPolicyStep:
                       lambda micro, feats, logits: self._whole_row(micro, feats, logits, wholes,
                                                                    layouts))
             capture = TapCapture(taps, self.tap_layers, to_batch=gather,
-                                 keep_logits=self.draft_targets)
+                                 keep_logits=self.draft_targets,
+                                 sequences=by_microbatch(sequences, wholes))
         self.optimizer.zero_grad(set_to_none=True)
         with self._gathered(self.model) as gathered:
             step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,

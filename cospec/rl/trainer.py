@@ -185,18 +185,19 @@ class GRPOTrainer:
         (before any update of this step: trainer vs rollout engine, same weights)."""
         chunks = replica_chunks(batch.first, len(batch.completions), self.g.micro_steps)
         tap_layers = self.draft.tap_layers if self._cotrain_now() else ()
-        d, seed = self._cotrain_budget()  # keep only what the draft will train on, as it comes
-        take = cotrain_sampler(d, len(chunks), seed) if tap_layers and self.owns_draft else None
+        d, seed = self._cotrain_budget()  # the policy step captures only what the draft trains on
+        choose = cotrain_sampler(d, len(chunks), seed) if tap_layers and self.owns_draft else None
         logs = []
         for i, idx in enumerate(chunks):
             mb = PolicyMinibatch.from_rollouts(batch.completions, batch.advantages, idx)
+            keep = choose((mb.cu_seqlens[1:] - mb.cu_seqlens[:-1]).tolist()) if choose else None
             try:
-                sums, grad_norm, captured = self.policy_step(mb, tap_layers)
+                sums, grad_norm, captured = self.policy_step(mb, tap_layers, keep)
             except NonFiniteError as e:
                 raise NonFiniteError(f"GRPO step {self.step + 1}, minibatch {i + 1} of "
                                      f"{len(chunks)}: {e}") from e
             self._updated_this_step = True
-            self._draft_data += [take(b) for b in captured] if take else captured
+            self._draft_data += captured
             logs.append(metrics_from_sums(sums, grad_norm))
         mismatch = [k for k in logs[0] if k.startswith("mismatch")]
         out = {k: sum(l[k] for l in logs) / len(logs) for k in logs[0] if k not in mismatch}

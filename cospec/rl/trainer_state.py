@@ -3,13 +3,16 @@
 A checkpoint (`cospec.rl.checkpoint`, atomic) holds the full policy and draft, the config, and the
 trainer state: the step, the RNG states and the optimizers.
 - one process: the optimizers' state dicts inline in trainer_state.pt;
-- cp / pp: every rank's own (``rank_states``, gathered on rank 0): a cp replica's or a pp stage's;
-- dp (any mesh with dp > 1): the FSDP2-sharded policy and AdamW state, and the draft's optimizer,
-  go through `torch.distributed.checkpoint` (DCP) into ``sharded/``: every rank writes its own
-  shards (no rank ever holds the whole state) into the checkpoint's staging directory, and only
-  then does rank 0 rename it into place, so a kill leaves either the old or the new checkpoint.
-  On resume every rank reads back its own shards; the layout must be the same (the resume check
-  compares the whole config, `parallel` included).
+- distributed (any mesh: dp, cp, pp and their products): the trained policy (its FSDP2 shards
+  under dp, its stage under pp, a replica under cp) with its AdamW state, and the draft's
+  optimizer, go through `torch.distributed.checkpoint` (DCP) into ``sharded/``: every rank writes
+  its own part (no rank ever gathers the others'; the equal copies of cp ranks are written once,
+  DCP's de-duplication of a key that several ranks save) into the checkpoint's staging directory,
+  and only then does rank 0 rename it into place, so a kill leaves either the old or the new
+  checkpoint. On resume every rank reads back its own part; the layout must be the same (the
+  resume check compares the whole config, `parallel` included). Checkpoints of cp and pp runs
+  from before 2026-12-05 hold every rank's optimizer states in trainer_state.pt
+  (``rank_states``) and still resume.
 The full policy in policy/ comes from the engine's synced copy when distributed (rank 0 holds one):
 what `cospec eval` and `cospec export` read.
 """
@@ -26,36 +29,24 @@ from cospec.rl.checkpoint import (as_tuples, copy_weights, save_checkpoint, stag
                                  staging_path)
 
 
-def _sharded(trainer) -> bool:
-    return trainer.group is not None and trainer.group.dp > 1
-
-
-def rank_state(trainer) -> dict:
-    """This rank's optimizer states (under pp each stage has its own)."""
-    state = {"optimizer": trainer.optimizer.state_dict()}
+def trainer_state(trainer) -> dict | None:
+    """The step, the RNG states and, on one process, the optimizers (distributed, they are in
+    sharded/); None off rank 0."""
+    state = {"step": trainer.step, "torch_rng": torch.get_rng_state(),
+             "prompt_rng": trainer.prompt_rng.getstate()}
+    if trainer.group is not None:
+        return {**state, "sharded": True} if trainer.is_lead else None
+    state["optimizer"] = trainer.optimizer.state_dict()
     if trainer.draft_optimizer is not None:
         state["draft_optimizer"] = trainer.draft_optimizer.state_dict()
     return state
 
 
-def trainer_state(trainer) -> dict | None:
-    """The step, the RNG states and, unless sharded, the optimizers; None off rank 0 (a
-    collective when distributed and not sharded: the ranks' states are gathered)."""
-    state = {"step": trainer.step, "torch_rng": torch.get_rng_state(),
-             "prompt_rng": trainer.prompt_rng.getstate()}
-    if trainer.group is None:
-        return {**state, **rank_state(trainer)}
-    if _sharded(trainer):  # the optimizers are in sharded/
-        return {**state, "sharded": True} if trainer.is_lead else None
-    ranks = trainer.group.gather(rank_state(trainer))
-    return {**state, "rank_states": ranks} if trainer.is_lead else None
-
-
 def _dcp_state(trainer) -> dict:
-    """The state DCP writes and reads in place: the policy's (or its stage's) sharded parameters
-    and AdamW state, and the draft's optimizer state where the draft trains (sharded like the
-    policy's). Optimizer states are flattened to parameter-name keys, so that the stages' entries of
-    a dp x pp mesh never collide."""
+    """The state DCP writes and reads in place: the policy's (or its stage's) parameters, sharded
+    under dp, and AdamW state, and the draft's optimizer state where the draft trains (sharded
+    like the policy's). Optimizer states are flattened to parameter-name keys, so that the stages'
+    entries of a pipeline never collide (their layers keep the policy's indices)."""
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
@@ -85,8 +76,8 @@ def _check_finite(trainer, policy, draft) -> None:
 
 def save_trainer(trainer) -> None:
     """Atomic checkpoint of the full policy and draft (the engine's synced copies when
-    distributed) and the trainer state; written by rank 0, with every rank's shards under dp; a
-    collective when distributed."""
+    distributed) and the trainer state; written by rank 0, with every rank's part in sharded/
+    when distributed (a collective then)."""
     group = trainer.group
     policy = trainer.policy if group is None else trainer.rollout_policy
     # distributed, the draft's whole copy is the engine's (under dp and pp the trainer's is a
@@ -95,7 +86,7 @@ def save_trainer(trainer) -> None:
     _check_finite(trainer, policy, draft)
     root = Path(f"{trainer.out_dir}/checkpoints")
     staged = None
-    if _sharded(trainer):
+    if group is not None:
         import torch.distributed.checkpoint as dcp
 
         staged = staging_path(root, trainer.step)
@@ -118,12 +109,12 @@ def restore_trainer(trainer, ckpt: dict) -> None:
     """Every rank restores its part: the policy (or its stage, or its shards), the draft, its own
     optimizer states; a generating rank also its engine's copies."""
     st, group = ckpt["trainer_state"], trainer.group
-    if _sharded(trainer):
+    if st.get("sharded"):
         _restore_shards(trainer, ckpt["path"] / "sharded")
         copy_weights(ckpt["policy"], [trainer.rollout_policy])
     else:
         copy_weights(ckpt["policy"], [trainer.policy, trainer.rollout_policy])
-        mine = st["rank_states"][group.rank] if "rank_states" in st else st
+        mine = st["rank_states"][group.rank] if "rank_states" in st else st  # an older cp/pp run
         trainer.optimizer.load_state_dict(mine["optimizer"])
         if trainer.draft_optimizer is not None:
             trainer.draft_optimizer.load_state_dict(mine["draft_optimizer"])
