@@ -88,3 +88,18 @@ def test_wrong_token_count_and_wrong_shard_count_are_clear_errors():
         z.local_index(2)
     with pytest.raises(ValueError, match="cp must be a positive integer"):
         ZigzagLayout.build(torch.tensor([0, 3]), 0)
+
+
+@pytest.mark.parametrize("cp", [1, 2, 3])
+def test_a_shard_of_chosen_sequences_is_those_rows_of_the_whole_rows_shard(cp):
+    """`ZigzagLayout.select`: what a gather of the chosen sequences alone reads of each rank."""
+    from cospec.draft.ttt import sequence_rows
+
+    cu = torch.tensor([0, 5, 7, 19, 20, 31])
+    layout, chosen = ZigzagLayout.build(cu, cp), [1, 2, 4]
+    x = torch.arange(31.0)[:, None] * torch.tensor([1.0, -1.0])  # [T, 2]: every row distinct
+    sub, rows = layout.select(chosen)
+    assert sub.cu_seqlens.tolist() == [0, 2, 14, 25]
+    for r in range(cp):
+        assert torch.equal(sub.shard(x[sequence_rows(cu, chosen)], r, dim=0),
+                           layout.shard(x, r, dim=0)[rows])

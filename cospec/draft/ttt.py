@@ -90,14 +90,20 @@ def choose_sequences(lengths: list[int], max_tokens: int, rng: random.Random) ->
     return sorted(chosen)
 
 
+def sequence_rows(cu_seqlens: Tensor, chosen: list[int]) -> Tensor:
+    """long [sum of their lengths]: the packed rows of sequences ``chosen``, in order."""
+    return torch.cat([torch.arange(int(cu_seqlens[i]), int(cu_seqlens[i + 1]),
+                                   device=cu_seqlens.device) for i in chosen]
+                     or [torch.zeros(0, dtype=torch.long, device=cu_seqlens.device)])
+
+
 def select_sequences(batch: TTTBatch, chosen: list[int] | None) -> TTTBatch:
     """The sequences ``chosen`` of `batch` (increasing indices) as a batch of their own (a copy);
     the batch itself for None."""
     if chosen is None:
         return batch
     cu, lengths = batch.cu_seqlens, batch.sequence_lengths()
-    index = torch.cat([torch.arange(int(cu[i]), int(cu[i + 1]), device=cu.device) for i in chosen]
-                      or [torch.zeros(0, dtype=torch.long, device=cu.device)])
+    index = sequence_rows(cu, chosen)
     new_cu = torch.tensor([0] + [lengths[i] for i in chosen], device=cu.device).cumsum(0)
     return TTTBatch(tokens=batch.tokens[index], cu_seqlens=new_cu.to(cu.dtype),
                     loss_mask=batch.loss_mask[index], taps={k: v[index] for k, v in batch.taps.items()},

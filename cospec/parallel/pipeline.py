@@ -36,6 +36,7 @@ Both run the forwards in microbatch order 0..M-1 on every stage; TapChannel reli
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -302,12 +303,13 @@ class TapCapture:
 
     The draft then trains on them with `cospec.draft.cotrain.cotrain_draft`, after the policy's
     step: the one co-training path, which the GRPO trainer (`cospec.rl.pp_step`) and `cospec bench
-    pp` both run. ``to_batch(micro, feats, logits_TV)``: how a microbatch's inputs become a
-    `TTTBatch` (default: as they are; under pp x cp the shards gathered back into the whole row).
+    pp` both run. ``sequences``: {microbatch index: the indices of its sequences to keep}
+    (None: all), so that the stage holds only what the draft trains on, never a whole
+    minibatch's logits; ``to_batch(micro, feats, logits_TV, sequences)``: how a microbatch's
+    inputs become the `TTTBatch` of those of its sequences (default: copied out of the channel;
+    under pp x cp the shards' rows of those sequences gathered back into whole sequences).
     ``keep_logits``: the form the logits are kept in, applied before ``to_batch`` (default: as
-    they are; `cospec.draft.losses.draft_targets`); ``sequences``: {microbatch index: the
-    indices of its sequences to keep} (None: all), so that the stage holds only what the draft
-    trains on, never a whole minibatch's logits.
+    they are; `cospec.draft.losses.draft_targets`).
     """
 
     def __init__(self, taps, tap_layers, to_batch=None, keep_logits=None, sequences=None):
@@ -318,18 +320,21 @@ class TapCapture:
         self.batches: dict[int, TTTBatch] = {}
 
     @staticmethod
-    def _whole(mb: Microbatch, feats: dict, logits_TV: Tensor) -> TTTBatch:
+    def _whole(mb: Microbatch, feats: dict, logits_TV: Tensor, sequences) -> TTTBatch:
         device = logits_TV.device
-        return TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
-                        loss_mask=mb.loss_mask.to(device),
-                        taps={k: v.clone() for k, v in feats.items()}, policy_logits=logits_TV)
+        batch = TTTBatch(tokens=mb.tokens.to(device), cu_seqlens=mb.cu_seqlens.to(device),
+                         loss_mask=mb.loss_mask.to(device), taps=dict(feats),
+                         policy_logits=logits_TV)
+        if sequences is None:  # the channel reuses its slots: keep copies
+            return dataclasses.replace(batch, taps={k: v.clone() for k, v in feats.items()})
+        return select_sequences(batch, sequences)  # copies the rows it keeps
 
     def __call__(self, mb: Microbatch, logits_TV: Tensor, num_microbatches: int) -> None:
         feats = self.taps.wait(mb.index, self.tap_layers)
-        batch = self.to_batch(mb, feats, self.keep_logits(logits_TV.detach()))
         keep = None if self.sequences is None else self.sequences[mb.index]
-        if keep != []:  # a microbatch none of whose sequences the draft trains on keeps nothing
-            self.batches[mb.index] = select_sequences(batch, keep)
+        if keep != []:  # none of its sequences trained on: nothing kept (alike on every cp rank)
+            self.batches[mb.index] = self.to_batch(mb, feats, self.keep_logits(logits_TV.detach()),
+                                                   keep)
 
     def take(self) -> TTTBatch | None:
         """The step's microbatches as one packed `TTTBatch` (in microbatch order), and forget them."""

@@ -100,6 +100,19 @@ class ZigzagLayout:
         half = offset // chunk_N[seq]
         return starts_N2[seq, half] + offset - half * chunk_N[seq]
 
+    def select(self, chosen: Sequence[int]) -> tuple["ZigzagLayout", Tensor]:
+        """The layout of sequences ``chosen`` alone (increasing indices, at least one) and the
+        rows of every rank's local shard that hold them: zigzag cuts each sequence on its own,
+        so a shard of the selection is those rows of the whole row's shard (what a gather of
+        the chosen sequences only reads)."""
+        lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
+        kept = lengths[list(chosen)]
+        layout = ZigzagLayout.build(torch.cat([kept.new_zeros(1), kept.cumsum(0)]), self.cp)
+        local_cu = self.local_cu_seqlens()
+        rows = torch.cat([torch.arange(int(local_cu[i]), int(local_cu[i + 1]),
+                                       device=local_cu.device) for i in chosen])
+        return layout, rows
+
     def local_positions(self, rank: int) -> Tensor:
         """int [L]: position of every local token within its own sequence (for RoPE)."""
         idx = self.local_index(rank)

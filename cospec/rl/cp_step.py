@@ -16,9 +16,10 @@ The draft's data: its TTT unroll at anchor t reads the features at t-1 and the t
 may sit on another rank. The detached taps and logits of the shard are all-gathered back into the
 unsharded row (`ZigzagLayout.gather`), laid out by anchor (`ttt_steps`) and re-sharded by
 `cospec.parallel.draft_cp`, whose ring trunk + branch attention never all-gathers K/V. The gather
-moves [T, 3C + V] floats per minibatch (once, not per layer; V is Vd + 1 for a draft with a
-reduced head, whose targets are compressed before the gather); a halo exchange of ttt_steps
-tokens per chunk edge would avoid it and is not built.
+moves [T, 3C + V] floats per minibatch (once, not per layer; T only the tokens of the sequences
+the draft trains on, `gathered_capture`; V is Vd + 1 for a draft with a reduced head, whose
+targets are compressed before the gather); a halo exchange of ttt_steps tokens per chunk edge
+would avoid it and is not built.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cospec.data.tokenizer import PAD
-from cospec.draft.ttt import TTTBatch, select_sequences, ttt_steps
+from cospec.draft.ttt import TTTBatch, sequence_rows, ttt_steps
 from cospec.models.precision import autocast
 from cospec.parallel.data_parallel import all_reduce_sum
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
@@ -49,6 +50,25 @@ def shard_minibatch(mb: PolicyMinibatch, layout: ZigzagLayout, rank: int) -> Pol
                            cu_seqlens=layout.local_cu_seqlens(), loss_mask=part(mb.loss_mask),
                            old_logprobs=part(mb.old_logprobs), advantages=part(mb.advantages),
                            num_tokens=mb.num_tokens, index=mb.index)
+
+
+def gathered_capture(whole, layout: ZigzagLayout, group, taps: dict[int, Tensor], logits: Tensor,
+                     sequences: list[int] | None) -> TTTBatch:
+    """The draft's `TTTBatch` of the sequences ``sequences`` (None: all) of ``whole`` (a
+    minibatch or microbatch: tokens, cu_seqlens, loss_mask), its ``taps`` and ``logits`` this
+    rank's zigzag shards [L, ...]: only those sequences' rows of every shard are gathered
+    (`ZigzagLayout.select`). A collective over ``group``."""
+    keep, rows = (layout, None) if sequences is None else layout.select(sequences)
+
+    def gather(x: Tensor) -> Tensor:
+        x = x.detach() if rows is None else x.detach()[rows.to(x.device)]
+        return keep.gather(x, group, dim=0)
+
+    index = None if sequences is None else sequence_rows(whole.cu_seqlens, sequences)
+    pick = (lambda x: x) if index is None else (lambda x: x[index])  # noqa: E731
+    return TTTBatch(tokens=pick(whole.tokens), loss_mask=pick(whole.loss_mask),
+                    cu_seqlens=keep.cu_seqlens.to(whole.cu_seqlens),
+                    taps={k: gather(v) for k, v in taps.items()}, policy_logits=gather(logits))
 
 
 class ContextParallelPolicyStep:
@@ -100,11 +120,9 @@ class ContextParallelPolicyStep:
         sums = all_reduce_sum(sums, None if self.data_parallel else self.group)
         captured = []
         if tap_layers:
-            gather = lambda x: layout.gather(x.detach(), self.group, dim=0)  # noqa: E731
-            captured.append(select_sequences(TTTBatch(
-                tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
-                taps={k: gather(v[0]) for k, v in out.taps.items()},
-                policy_logits=gather(self.draft_targets(out.logits[0]))), sequences))
+            captured.append(gathered_capture(
+                mb, layout, self.group, {k: v[0] for k, v in out.taps.items()},
+                self.draft_targets(out.logits[0].detach()), sequences))
         return sums, grad_norm, captured
 
 

@@ -179,9 +179,13 @@ class PipelinedPolicyStep:
         taps = self._channel_for(mbs) if with_taps else None
         capture = None
         if with_taps and self.last:  # the draft's inputs; it trains after the step (cotrain_draft)
-            gather = (None if layouts is None else
-                      lambda micro, feats, logits: self._whole_row(micro, feats, logits, wholes,
-                                                                   layouts))
+            gather = None
+            if layouts is not None:  # pp x cp: the rows the draft keeps, gathered into sequences
+                from cospec.rl.cp_step import gathered_capture
+
+                def gather(micro, feats, logits, keep):
+                    return gathered_capture(wholes[micro.index], layouts[micro.index],
+                                            self.cp_group, feats, logits, keep)
             capture = TapCapture(taps, self.tap_layers, to_batch=gather,
                                  keep_logits=self.draft_targets,
                                  sequences=by_microbatch(sequences, wholes))
@@ -224,17 +228,6 @@ class PipelinedPolicyStep:
         for m, lay in zip(mbs, layouts):
             m.positions = lay.local_positions(self.cp_rank)
         return mbs, wholes, layouts
-
-    def _whole_row(self, micro: Microbatch, feats: dict, logits_TV: Tensor,
-                   wholes: list[PolicyMinibatch], layouts: list) -> TTTBatch:
-        """pp x cp: the draft's inputs of microbatch ``micro`` with the cp ranks' shards gathered
-        back into the whole microbatch (the draft's TTT inputs cross chunk edges; `cospec.rl.cp_step`
-        explains the gather)."""
-        lay, whole = layouts[micro.index], wholes[micro.index]
-        gather = lambda x: lay.gather(x, self.cp_group, dim=0)  # noqa: E731
-        return TTTBatch(tokens=whole.tokens, cu_seqlens=whole.cu_seqlens, loss_mask=whole.loss_mask,
-                        taps={k: gather(v) for k, v in feats.items()},
-                        policy_logits=gather(logits_TV))
 
     def _sum_gradients_over_cp(self) -> None:
         """Under pp x cp, the stage's replicas each hold their shards' gradients: sum them (under
