@@ -195,9 +195,9 @@ def _counting_run(rank, world, out_dir, layout):
     trainer = GRPOTrainer(cfg, policy, draft=build_draft(cfg, policy), tensorboard=False,
                           group=group)
     del policy  # the trainer holds what it trains; a stage does not hold the whole model
-    counted = {"all_gather": 0.0, "reduce_scatter": 0.0, "p2p": 0.0, "ring": 0.0}
+    counted = {"all_gather": 0.0, "reduce_scatter": 0.0, "p2p": 0.0, "ring": 0.0, "capture": 0.0}
     real = (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
-            dist.batch_isend_irecv)
+            dist.batch_isend_irecv, dist.all_gather)
     n = cfg.parallel.dp * cfg.parallel.cp if cfg.parallel.dp > 1 else 1
     share = (n - 1) / n  # what a rank receives of a tensor gathered or scattered over n ranks
 
@@ -226,8 +226,17 @@ def _counting_run(rank, world, out_dir, layout):
             counted["ring"] += size
         return real[3](ops)
 
+    cp = group.cp
+
+    def gather_list(tensor_list, tensor, group=None, async_op=False):  # the draft's capture
+        # (not the ring's input checks: a few int64 each)
+        if cp > 1 and (group is None or group is ring_group) and tensor.is_floating_point():
+            size = sum(t.numel() * t.element_size() for t in tensor_list)
+            counted["capture"] += size * (cp - 1) / cp  # the other ranks' shards
+        return real[4](tensor_list, tensor, group=group, async_op=async_op)
+
     (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
-     dist.batch_isend_irecv) = gather, scatter, full, batch
+     dist.batch_isend_irecv, dist.all_gather) = gather, scatter, full, batch, gather_list
     try:
         with TensorMemoryPeak(device="cpu") as peak:  # the whole step, rollouts to weight sync
             batch_ = trainer_batch(trainer) if trainer.generates else None
@@ -238,7 +247,7 @@ def _counting_run(rank, world, out_dir, layout):
             trainer.sync_weights()
     finally:
         (dist.all_gather_single, dist.reduce_scatter_single, DTensor.full_tensor,
-         dist.batch_isend_irecv) = real
+         dist.batch_isend_irecv, dist.all_gather) = real
     opt_state = [t for st in trainer.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.dim() > 0]
     memory = {"parameters": _local_bytes(trainer.policy.parameters()),
@@ -319,6 +328,9 @@ def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, 
         # the ring, the zigzag chunks' padding included
         ring = planned.comm.get("cp_ring", 0) + planned.comm.get("cp_ring_draft", 0)
         assert r["comm"]["ring"] == pytest.approx(ring, rel=0.01)
+        assert r["comm"]["capture"] == pytest.approx(planned.comm.get("cp_draft_capture", 0),
+                                                     rel=0.01)
+        assert (r["comm"]["capture"] > 0) == (layout == "cp2")  # cp's capture gather, counted
     # The whole step's peak of tensor memory (the issue's "within 15%"): per stage, the largest
     # of its ranks that generate (they hold the engine) and of those that do not.
     stages = plan(_layout_cfg(layout), lengths=results[0]["lengths"])

@@ -42,8 +42,10 @@ as they receive):
   out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
 - cp ring: per layer and minibatch, a rank's K and V shards cp - 1 hops forward (the policy's, and
   the reference's with a KL) and backward, dK and dV cp hops; the draft's trunk K and V the same
-  per TTT step of each co-training update; the shards hold the zigzag padding (each sequence
-  padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean rate).
+  per TTT step of each co-training update, and its captured taps and logits once a minibatch
+  (what the other ranks hold of the drawn sequences); the shards hold the zigzag padding (each
+  sequence padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean
+  rate).
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers),
 allocator fragmentation, the block drafter's co-training, and mixed precision (grpo.autocast).
 `docs/results/parallel/memory_peaks.py` measures a step's peak of tensor memory (temporaries
@@ -318,6 +320,12 @@ def _stage_comm(run: _Run, s: int) -> dict:
                     * FP32)
             comm["cp_ring_draft"] = (d.cotrain_iters * g.micro_steps * d.ttt_steps
                                      * (2 * (p.cp - 1) + p.cp) * kv_d)
+            # the capture: the drawn sequences' taps and kept logits, the other ranks' shards
+            # gathered once a minibatch (`cospec.rl.cp_step.gathered_capture`)
+            width = (len(set(run.draft.tap_layers)) * m.hidden_size
+                     + (d.vocab_size + 1 if d.vocab_size else m.vocab_size))
+            comm["cp_draft_capture"] = (g.micro_steps * tokens * run.zigzag_padding
+                                        * (p.cp - 1) / p.cp * width * FP32)
     return comm
 
 

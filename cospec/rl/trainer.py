@@ -398,4 +398,3 @@ class GRPOTrainer:
         finally:
             log.close()
         return history
-
