@@ -93,7 +93,7 @@ def test_wrong_token_count_and_wrong_shard_count_are_clear_errors():
 @pytest.mark.parametrize("cp", [1, 2, 3])
 def test_a_shard_of_chosen_sequences_is_those_rows_of_the_whole_rows_shard(cp):
     """`ZigzagLayout.select`: what a gather of the chosen sequences alone reads of each rank."""
-    from cospec.draft.ttt import sequence_rows
+    from cospec.data.packing import sequence_rows
 
     cu = torch.tensor([0, 5, 7, 19, 20, 31])
     layout, chosen = ZigzagLayout.build(cu, cp), [1, 2, 4]

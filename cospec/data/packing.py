@@ -60,3 +60,11 @@ def balanced_cuts(cu_seqlens: Tensor, parts: int) -> list[int]:
         cuts.append(min(max(nearest, cuts[-1] + 1), n - (parts - k)))
     cuts.append(n)
     return cuts
+
+
+def sequence_rows(cu_seqlens: Tensor, chosen: list[int]) -> Tensor:
+    """long [sum of their lengths]: the packed rows of sequences ``chosen`` (indices into
+    ``cu_seqlens``' sequences), in order; one read of ``cu_seqlens`` to the host."""
+    cu = cu_seqlens.tolist()
+    rows = [torch.arange(cu[i], cu[i + 1]) for i in chosen] or [torch.zeros(0, dtype=torch.long)]
+    return torch.cat(rows).to(cu_seqlens.device)

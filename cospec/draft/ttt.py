@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cospec.data.packing import sequence_rows
 from cospec.data.tokenizer import PAD
 from cospec.draft.block_ttt import block_unroll
 from cospec.draft.losses import soft_cross_entropy, total_variation
@@ -88,13 +89,6 @@ def choose_sequences(lengths: list[int], max_tokens: int, rng: random.Random) ->
         chosen.append(i)
         used += lengths[i]
     return sorted(chosen)
-
-
-def sequence_rows(cu_seqlens: Tensor, chosen: list[int]) -> Tensor:
-    """long [sum of their lengths]: the packed rows of sequences ``chosen``, in order."""
-    return torch.cat([torch.arange(int(cu_seqlens[i]), int(cu_seqlens[i + 1]),
-                                   device=cu_seqlens.device) for i in chosen]
-                     or [torch.zeros(0, dtype=torch.long, device=cu_seqlens.device)])
 
 
 def select_sequences(batch: TTTBatch, chosen: list[int] | None) -> TTTBatch:

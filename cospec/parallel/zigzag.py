@@ -28,6 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cospec.data.packing import sequence_rows
+
 
 def check_cu_seqlens(cu_seqlens: Tensor, name: str = "cu_seqlens") -> None:
     """ValueError unless cu_seqlens is 1-D, integer, starts at 0 and strictly increases."""
@@ -108,10 +110,7 @@ class ZigzagLayout:
         lengths = self.cu_seqlens[1:] - self.cu_seqlens[:-1]
         kept = lengths[list(chosen)]
         layout = ZigzagLayout.build(torch.cat([kept.new_zeros(1), kept.cumsum(0)]), self.cp)
-        local_cu = self.local_cu_seqlens()
-        rows = torch.cat([torch.arange(int(local_cu[i]), int(local_cu[i + 1]),
-                                       device=local_cu.device) for i in chosen])
-        return layout, rows
+        return layout, sequence_rows(self.local_cu_seqlens(), list(chosen))
 
     def local_positions(self, rank: int) -> Tensor:
         """int [L]: position of every local token within its own sequence (for RoPE)."""

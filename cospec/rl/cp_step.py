@@ -30,8 +30,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cospec.data.packing import sequence_rows
 from cospec.data.tokenizer import PAD
-from cospec.draft.ttt import TTTBatch, sequence_rows, ttt_steps
+from cospec.draft.ttt import TTTBatch, ttt_steps
 from cospec.models.precision import autocast
 from cospec.parallel.data_parallel import all_reduce_sum
 from cospec.parallel.draft_cp import all_reduce_grads, ttt_loss_cp
