@@ -65,6 +65,12 @@ def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
     return min(T, max(per_batch, keep * T / N)), keep
 
 
+def kept_vocab(policy: ModelConfig, head: int = 0) -> int:
+    """Vk: the numbers a token of the policy's logits are kept in for a draft whose head has
+    ``head`` ids (0: the whole vocabulary)."""
+    return head + 1 if head else policy.vocab_size
+
+
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
                        head: int = 0) -> dict[str, float]:
@@ -74,14 +80,14 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
     included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
     ``cp`` the targets of the whole share, the activations of a rank's shard."""
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
-    kept_vocab = head + 1 if head else policy.vocab_size  # Vk
-    row = taps * policy.hidden_size + kept_vocab + 3  # a kept token's features
+    Vk = kept_vocab(policy, head)
+    row = taps * policy.hidden_size + Vk + 3  # a kept token's features
     kept = update = 0.0
     for mb in minibatches:
         T, N = kept_share(mb, per_batch)
         kept += row * T
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
-        update = max(update, steps * kept_vocab * T + ttt_activation_floats(
+        update = max(update, steps * Vk * T + ttt_activation_floats(
             d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1, head=head))
     return {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}

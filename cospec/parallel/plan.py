@@ -64,7 +64,7 @@ import torch
 from cospec.config import RunConfig
 from cospec.config.sections import ModelConfig
 from cospec.data.packing import balanced_cuts
-from cospec.parallel.draft_memory import draft_memory_bytes
+from cospec.parallel.draft_memory import draft_memory_bytes, kept_vocab
 from cospec.parallel.pipeline import schedule_actions, split_layers
 
 FP32 = 4
@@ -322,8 +322,7 @@ def _stage_comm(run: _Run, s: int) -> dict:
                                      * (2 * (p.cp - 1) + p.cp) * kv_d)
             # the capture: the drawn sequences' taps and kept logits, the other ranks' shards
             # gathered once a minibatch (`cospec.rl.cp_step.gathered_capture`)
-            width = (len(set(run.draft.tap_layers)) * m.hidden_size
-                     + (d.vocab_size + 1 if d.vocab_size else m.vocab_size))
+            width = len(set(run.draft.tap_layers)) * m.hidden_size + kept_vocab(m, d.vocab_size)
             comm["cp_draft_capture"] = (g.micro_steps * tokens * run.zigzag_padding
                                         * (p.cp - 1) / p.cp * width * FP32)
     return comm
