@@ -350,3 +350,28 @@ def test_a_bf16_inference_copy_casts_the_weights_and_keeps_the_vocabulary_ids():
     logits = copy.full_vocab_logits(copy(tokens, copy.project(out.taps)).logits)
     assert set(logits.argmax(-1).flatten().tolist()) <= {0, 2, 5, 9, 17}
 
+
+
+def test_draft_autocast_runs_the_training_forwards_in_bf16_and_updates_like_fp32(policy):
+    """draft.autocast=bfloat16: a co-training update under autocast moves every weight the way
+    the fp32 update does (bf16 rounding apart: close, not equal, so autocast did run), and its
+    loss is the fp32 loss within bf16's precision. (That the TTT attention inside stays fp32,
+    without which this draft stops learning on SmolLM2, is tests/test_branch_attention.py's.)"""
+    from cospec.config import DraftConfig
+    from cospec.draft.cotrain import cotrain_draft
+
+    torch.manual_seed(3)
+    start = Eagle3Draft.from_policy(policy)
+    batch = packed_batch(policy, start, [20, 14, 30])
+    runs = {}
+    for precision in ("", "bfloat16"):
+        draft = copy.deepcopy(start)
+        opt = torch.optim.SGD(draft.parameters(), lr=1.0)
+        d = DraftConfig(autocast=precision, cotrain_max_tokens=0)
+        metrics = cotrain_draft(draft, opt, [batch], d, temperature=1.0, seed=0, loss_fn=ttt_loss)
+        delta = torch.cat([(p - p0).flatten() for p, p0 in zip(draft.parameters(), start.parameters())])
+        runs[precision] = (metrics["draft_loss"], delta)
+    (loss32, delta32), (loss16, delta16) = runs[""], runs["bfloat16"]
+    assert loss16 != loss32 and abs(loss16 - loss32) < 0.01 * loss32
+    assert not torch.equal(delta16, delta32)
+    assert torch.nn.functional.cosine_similarity(delta16, delta32, dim=0) > 0.99

@@ -13,6 +13,8 @@ the ring; an error only with branches points at the branch merge or its backward
 the head grouping; only for short sequences (fewer tokens than 2*cp) at the padding rows.
 """
 
+from contextlib import nullcontext
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -33,6 +35,8 @@ CASES = [
     ("fp64 gqa branch depth 2", (21, 5), 6, 2, 2, torch.float64),
     ("fp64 gqa branch depth 3", (7, 1, 17), 4, 1, 3, torch.float64),
     ("fp32 gqa branch depth 3", (30, 11), 4, 2, 3, torch.float32),
+    # the ring inside a bf16 autocast region, the reference outside: the ring must stay fp32
+    ("fp32 under bf16 autocast gqa branch depth 2", (30, 11), 4, 2, 2, torch.float32),
 ]
 TOL = {torch.float64: (1e-10, 1e-9), torch.float32: (2e-5, 1e-4)}
 
@@ -56,8 +60,10 @@ def _attention_errors(rank, num_ranks, case):
 
     z = ZigzagLayout.build(cu, num_ranks)
     mine = {n: z.shard(x.detach(), rank, dim=-2).requires_grad_(True) for n, x in full.items()}
-    out, lse = ring_trunk_branch_attention(mine["q"], mine["k"], mine["v"], z.local_cu_seqlens(),
-                                           mine["bk"], mine["bv"])
+    region = torch.autocast("cpu", dtype=torch.bfloat16) if "autocast" in name else nullcontext()
+    with region:
+        out, lse = ring_trunk_branch_attention(mine["q"], mine["k"], mine["v"],
+                                               z.local_cu_seqlens(), mine["bk"], mine["bv"])
     got = {"out": out, "lse": lse}
     got.update(zip(["d" + n for n in mine],
                    torch.autograd.grad((out * z.shard(g, rank, dim=-2)).sum(), list(mine.values()),

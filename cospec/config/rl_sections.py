@@ -71,6 +71,11 @@ class DraftConfig:
     cotrain_max_tokens: int = 1024
     #: draft loss mix: 0 = soft cross-entropy only, 1 = total variation only
     tv_weight: float = 0.0
+    #: mixed precision of the draft's training forwards (offline and co-training): "" (fp32) or
+    #: "bfloat16" (torch.autocast; weights and optimizer state stay fp32, the trunk + branch
+    #: attention and the losses stay fp32). Halves the cost on GPUs and AMX CPUs; 30x dearer on
+    #: CPUs without bf16 matmul units (docs/results/real_model.md)
+    autocast: str = ""
     #: oracle mode: retrain the draft on the current policy every this many RL steps
     oracle_every: int = 10
 
@@ -83,6 +88,8 @@ class DraftConfig:
         _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
         _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
         _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
+        _check(self.autocast in ("", "bfloat16"), "draft.autocast",
+               f"must be empty (fp32) or bfloat16, got {self.autocast!r}")
         _check(self.kind in ("eagle3", "block", "lm"), "draft.kind",
                f"must be eagle3, block or lm, got {self.kind!r}")
         _check(self.block_layers > 0, "draft.block_layers", "must be positive")

@@ -15,6 +15,7 @@ import torch
 
 from cospec.config import DraftConfig
 from cospec.draft.ttt import TTTBatch, choose_sequences, select_sequences
+from cospec.models.precision import autocast
 
 
 def cotrain_sampler(d: DraftConfig, num_batches: int, seed: int):
@@ -37,19 +38,19 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
     """``d.cotrain_iters`` passes over the captured batches (at most ``d.cotrain_max_tokens``
     tokens of whole sequences, chosen by ``seed``: the same on every rank and again after a
     resume). ``loss_fn``: `ttt_loss` or its context-parallel form, whose ``reduce_grads`` turns
-    the ranks' shares into the whole gradient. Returns the last update's loss and teacher-forced
+    the ranks' shares into the whole gradient. The forwards run under ``d.autocast``. Returns the last update's loss and teacher-forced
     acceptance per TTT step, and how many updates were skipped as non-finite."""
     draft.train()
+    device = next(draft.parameters()).device
     metrics: dict = {}
     choose = cotrain_sampler(d, len(captured), seed)
     data = [select_sequences(b, choose(b.sequence_lengths())) for b in captured]
     skipped = 0
     for _ in range(d.cotrain_iters):
         for batch in data:
-            # fp32 even under grpo.autocast: TTT training in bf16 autocast does not learn
-            # (acceptance 0.17 vs 0.56 after 80 steps; docs/results/real_model.md)
-            loss, metrics = loss_fn(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                    temperature=temperature, tv_weight=d.tv_weight)
+            with autocast(d.autocast, device):  # the backward below runs outside it
+                loss, metrics = loss_fn(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                        temperature=temperature, tv_weight=d.tv_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if reduce_grads is not None:

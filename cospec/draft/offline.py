@@ -29,6 +29,7 @@ from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft, TappedDraft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
 from cospec.models.loading import inference_copy
+from cospec.models.precision import autocast
 from cospec.rollout.engine import GenerationEngine
 
 
@@ -166,6 +167,7 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
     opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     order = random.Random(d.seed)
+    device = next(draft.parameters()).device
     history, last = [], {}
     draft.train()
     t1 = time.perf_counter()
@@ -175,11 +177,12 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
                 g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),
                                 total=d.train_steps, min_ratio=0.1)
             batch = batches[order.randrange(len(batches))]
-            if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
-                loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                      temperature=cfg.sampling.temperature)
-            else:
-                loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
+            with autocast(d.autocast, device):  # the backward below runs outside it
+                if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
+                    loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                                          temperature=cfg.sampling.temperature)
+                else:
+                    loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

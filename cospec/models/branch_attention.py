@@ -16,7 +16,8 @@ keep `branch_attention` rank-local, and merge with the same `merge_attention`.
 
 Tensors carry no batch dim: a packed row is [H, T, D] (the model's [1, H, T, D] squeezed); branch
 keys are stacked [J, Hkv, T, D] (index 0 is step 2). Outputs are fp32 (fp64 for fp64 input) ``out_HTD`` and ``lse_HT``
-(natural log, softmax scale included). Grouped-query attention: query head h reads kv head
+(natural log, softmax scale included), under autocast too (`outside_autocast`: bf16 scores
+lose the q/k gradients). Grouped-query attention: query head h reads kv head
 h // (H / Hkv), as HF and SDPA's ``enable_gqa`` do.
 
 This is the single-device reference: explicit scores over each sequence unpacked to a padded
@@ -31,6 +32,7 @@ import torch
 from torch import Tensor
 
 from cospec.models.attention import AttentionLayout
+from cospec.models.precision import outside_autocast
 
 
 def _expand_kv(x_HkvTD: Tensor, num_heads: int) -> Tensor:
@@ -42,6 +44,7 @@ def _acc(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+@outside_autocast
 def trunk_attention(q_HTD: Tensor, k_HkvTD: Tensor, v_HkvTD: Tensor, cu_seqlens: Tensor,
                     scale: float | None = None) -> tuple[Tensor, Tensor]:
     """Causal attention within each packed sequence; returns (out fp32 [H, T, D], lse fp32 [H, T])."""
@@ -62,6 +65,7 @@ def trunk_attention(q_HTD: Tensor, k_HkvTD: Tensor, v_HkvTD: Tensor, cu_seqlens:
     return out_HTD, lse_HT
 
 
+@outside_autocast
 def branch_attention(q_HTD: Tensor, k_JHkvTD: Tensor, v_JHkvTD: Tensor,
                      scale: float | None = None) -> tuple[Tensor, Tensor]:
     """Each query against the J branch keys of its own position only; (out [H, T, D], lse [H, T]).

@@ -47,7 +47,8 @@ as they receive):
   sequence padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean
   rate).
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers),
-allocator fragmentation, the block drafter's co-training, and mixed precision (grpo.autocast).
+allocator fragmentation, the block drafter's co-training, and mixed precision (grpo.autocast,
+draft.autocast).
 `docs/results/parallel/memory_peaks.py` measures a step's peak of tensor memory (temporaries
 included) against the total: within 5% on every layout here.
 """

@@ -8,7 +8,8 @@ random, which the costs do not depend on), then, on those same rollouts, the pol
 draft's co-training alternately with the policy's logits kept whole for the draft (V = 49152
 numbers a token: before `cospec.draft.losses.draft_targets`) and kept as the head's logits and a
 bucket (8193): the seconds of each phase and the bytes kept for the draft. fp32 throughout
-(rollout.dtype and grpo.autocast off: a CPU without bf16 matmul units runs bf16 slower)."""
+(rollout.dtype, grpo.autocast and draft.autocast off: a CPU without bf16 matmul units runs bf16
+slower)."""
 import sys
 import time
 
@@ -22,7 +23,7 @@ from cospec.rl.trainer import GRPOTrainer
 repeats = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 cfg = with_checkpoint_model(resolve("smollm2-math", overrides=[
     "out_dir=/tmp/cotrain_targets", "grpo.prompts_per_step=6", "grpo.micro_steps=2",
-    "rollout.dtype=float32", "grpo.autocast=",
+    "rollout.dtype=float32", "grpo.autocast=", "draft.autocast=",
     "sampling.max_new_tokens=256"]))
 tokenizer = load_tokenizer(cfg.model)
 policy = load_pretrained(cfg.model, tokenizer)
