@@ -9,6 +9,8 @@
   HF form). Its stated context length is the source checkpoint's, not the run's cache length.
 - ``DIR/draft_eagle3``: the EAGLE-3 draft in the layout vLLM's and SGLang's EAGLE-3 loaders and
   SpecForge read (`cospec.models.eagle3_export`; what differs in their use of it is written there).
+  A block draft or a draft LM is not exported, and the command says so: no serving stack reads
+  a layout cospec could write for them.
 
 What is exported: the latest RL checkpoint under out_dir/rl/checkpoints when there is one (the
 policy and draft as trained), else the run's starting policy and its offline draft (out_dir/draft).
@@ -24,6 +26,7 @@ import torch
 
 from cospec.config import RunConfig, apply
 from cospec.data.tokenizer import HFTokenizer, Tokenizer
+from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 
 
@@ -87,5 +90,11 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
     if isinstance(draft, Eagle3Draft):
         export_eagle3(draft, out / "draft_eagle3", max_position_embeddings=context)
         written["draft_eagle3"] = out / "draft_eagle3"
+    elif draft is not None or cfg.draft.kind != "eagle3":
+        # no serving stack reads a block draft or a draft LM in a layout cospec could write for
+        # it (DFlash's own checkpoints come with their own modelling code): say so, not nothing
+        kind = cfg.draft.kind if draft is None else "block" if isinstance(draft, BlockDraft) else "lm"
+        print(f"the {kind} draft is not exported: only an EAGLE-3 draft has a layout other tools "
+              f"read (the run's own checkpoints keep it)")
     print(f"exported from {source}: " + ", ".join(f"{k} -> {v}" for k, v in written.items()))
     return written

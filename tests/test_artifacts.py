@@ -128,6 +128,17 @@ def test_export_refuses_a_draft_made_with_other_settings_unless_reused(tmp_path,
     assert "draft_eagle3" in capsys.readouterr().out.splitlines()[-1]
 
 
+def test_export_says_that_a_block_draft_has_no_layout_to_export_to(tmp_path, capsys):
+    args = ["--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", "draft.train_steps=2",
+            "draft.num_train_prompts=4", "sampling.max_new_tokens=4", "draft.kind=block"]
+    assert main(["draft-train", *args]) == 0
+    capsys.readouterr()
+    assert main(["export", *args, "--out", str(tmp_path / "export")]) == 0
+    out = capsys.readouterr().out
+    assert "the block draft is not exported: only an EAGLE-3 draft has a layout" in out
+    assert sorted(p.name for p in (tmp_path / "export").iterdir()) == ["policy"]
+
+
 def test_a_diverged_offline_draft_is_not_saved(tmp_path):
     from cospec.models.integrity import NonFiniteError
 
