@@ -42,9 +42,10 @@ def _resolve(args, *, checkpoint_required: bool = True,
     benchmark speculates and builds its --drafts; the experiments run speculative and co-training
     modes), so no field is reported as without effect for lack of them."""
     from cospec.models.loading import with_checkpoint_model
+    from cospec.models.precision import slow_bf16_warnings
 
     cfg = config_mod.resolve(args.recipe, args.config_file, args.overrides)
-    for warning in config_mod.no_effect_warnings(cfg, switched_on):
+    for warning in config_mod.no_effect_warnings(cfg, switched_on) + slow_bf16_warnings(cfg):
         print(f"cospec: warning: {warning}", file=sys.stderr)
     try:
         return with_checkpoint_model(cfg)

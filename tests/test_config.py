@@ -114,3 +114,41 @@ def test_data_parallel_layouts_that_cannot_work_are_refused_up_front():
         check_launch(resolve(overrides=["parallel.dp=2", "parallel.pp=2", "parallel.cp=2"]).parallel)
     with pytest.raises(ConfigError, match="needs 2 processes; launch it with torchrun --nproc-per-node 2"):
         check_launch(resolve(overrides=["parallel.dp=2"]).parallel)
+
+
+def test_bf16_settings_on_a_cpu_without_bf16_matmul_units_are_warned_about_with_the_fix(
+        monkeypatch, capsys):
+    """The smollm2-math recipe trains and rolls out in bf16: on a CPU that emulates bf16 matmuls
+    (30x dearer than fp32 on a Zen 1 EPYC) the command says so and names the overrides; on one
+    with the units, or once they are applied, nothing is said."""
+    from cospec import cli
+    from cospec.models import precision
+
+    recipe = ["--recipe", "smollm2-math", "device=cpu"]  # also where CUDA is present
+    monkeypatch.setattr(precision, "cpu_lacks_bf16_matmul", lambda: True)
+    assert cli.main(["config", *recipe]) == 0
+    err = capsys.readouterr().err
+    assert "rollout.dtype, grpo.autocast, draft.autocast = bfloat16, but this CPU has no bf16" in err
+    fix = "rollout.dtype=float32 grpo.autocast= draft.autocast="
+    assert f"add `{fix}`" in err
+    assert cli.main(["config", *recipe, *fix.split()]) == 0
+    assert "bf16" not in capsys.readouterr().err
+    monkeypatch.setattr(precision, "cpu_lacks_bf16_matmul", lambda: False)
+    assert cli.main(["config", *recipe]) == 0
+    assert "bf16" not in capsys.readouterr().err
+
+
+def test_the_bf16_matmul_check_agrees_with_the_cpus_own_flags():
+    """On Linux x86 /proc/cpuinfo lists the CPU's features: no avx512_bf16 and no amx_bf16
+    is exactly a CPU that emulates bf16 matmuls."""
+    import platform
+    from pathlib import Path
+
+    from cospec.models.precision import cpu_lacks_bf16_matmul
+
+    info = Path("/proc/cpuinfo")
+    if platform.machine().lower() != "x86_64" or not info.exists():
+        pytest.skip("needs Linux on x86")
+    flags = set(next(line for line in info.read_text().splitlines()
+                     if line.startswith("flags")).split())
+    assert cpu_lacks_bf16_matmul() == (not {"avx512_bf16", "amx_bf16"} & flags)

@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import platform
 
 import torch
+
+from cospec.config import RunConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -49,3 +52,28 @@ def outside_autocast(fn):
         with autocast_off(first.device):
             return fn(first, *args, **kwargs)
     return run
+
+
+def cpu_lacks_bf16_matmul() -> bool:
+    """True on an x86 CPU that has neither AVX512-BF16 nor AMX (as torch reports it): there bf16
+    matmuls are emulated, ~30x dearer than fp32 ones (a Zen 1 EPYC, docs/results/real_model.md).
+    False where it has them or where this cannot be told (other architectures)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    checks = [getattr(torch.cpu, name, None)
+              for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return None not in checks and not any(check() for check in checks)
+
+
+def slow_bf16_warnings(cfg: RunConfig) -> list[str]:
+    """A warning naming the run's fields set to bfloat16 when it runs on a CPU without bf16
+    matmul units, with the overrides that turn them off; else none."""
+    fields = {"model.dtype": cfg.model.dtype, "rollout.dtype": cfg.rollout.dtype,
+              "grpo.autocast": cfg.grpo.autocast, "draft.autocast": cfg.draft.autocast}
+    slow = [name for name, dtype in fields.items() if dtype == "bfloat16"]
+    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+    if not slow or not on_cpu or not cpu_lacks_bf16_matmul():
+        return []
+    off = " ".join(f"{n}=float32" if n.endswith("dtype") else f"{n}=" for n in slow)
+    return [f"{', '.join(slow)} = bfloat16, but this CPU has no bf16 matmul units (no AVX512-BF16 "
+            f"or AMX): bf16 matmuls run ~30x slower than fp32 here; add `{off}`"]
