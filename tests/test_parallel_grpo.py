@@ -3,7 +3,7 @@ whole trainer step (rollouts, the policy update, the draft's co-training, the we
 parallel.cp=N, parallel.pp=N, parallel.dp=2 and the meshes pp x cp, dp x cp, dp x pp and
 dp x pp x cp (8 ranks) equals the same step on one process.
 
-Compared, in fp32: the step's loss, KL, entropy and draft loss; every policy gradient and every
+Compared, in fp32 (and pp2 under bf16 autocast against one process under it): the step's loss, KL, entropy and draft loss; every policy gradient and every
 draft gradient the step leaves behind (relative to the largest entry, tolerance 1e-4: the ranks
 compute the same sums in another order; a wrong shard, a missing all-reduce or a microbatch's loss
 divided by its own token count is off by O(1)). The rollout engine's copy of the policy after the
@@ -89,6 +89,8 @@ def _step(cfg, group=None) -> dict:
 #: compressed to the head, `draft_targets`: under cp before the ranks gather them)
 LAYOUTS = {"cp2": ["parallel.cp=2", "draft.vocab_size=24"], "cp4": ["parallel.cp=4"],
            "pp2": ["parallel.pp=2"], "pp4": ["parallel.pp=4"],
+           # mixed precision on both sides: the stages' forwards and the draft's under autocast
+           "pp2-bf16": ["parallel.pp=2", "grpo.autocast=bfloat16", "draft.autocast=bfloat16"],
            "pp2xcp2": ["parallel.pp=2", "parallel.cp=2", "draft.vocab_size=24"],
            # two minibatches: each replica's share of minibatch i is chosen by global index;
            # co-training on every captured token (a token budget is split over the replicas,
@@ -100,6 +102,13 @@ LAYOUTS = {"cp2": ["parallel.cp=2", "draft.vocab_size=24"], "cp4": ["parallel.cp
                        "draft.cotrain_max_tokens=0"],
            "dp2xpp2xcp2": ["parallel.dp=2", "parallel.pp=2", "parallel.cp=2", "grpo.micro_steps=2",
                            "draft.cotrain_max_tokens=0"]}
+
+
+#: (metrics, gradients) where not 1e-4. bf16 rounds each matmul's output to 8 bits, and the
+#: pipeline's microbatches (other matmul shapes than one process's whole minibatch) move some
+#: roundings. Measured: pp2 in bf16 against one process in bf16, metrics 2.3e-4 (grad_norm) and
+#: gradients 8.6e-3; pp2 left in fp32 against it, 2.6e-3 and 3.6e-2, which these bounds refuse.
+TOLERANCE = {"pp2-bf16": (1e-3, 2e-2)}
 
 
 def _distributed_step(rank, num_ranks, out_dir, layout):
@@ -115,30 +124,31 @@ def _rel(a, b) -> float:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout,ranks", [("cp2", 2), ("cp4", 4), ("pp2", 2), ("pp4", 4),
-                                           ("pp2xcp2", 4), ("dp2", 2), ("dp2xcp2", 4),
-                                           ("dp2xpp2", 4), ("dp2xpp2xcp2", 8)])
+                                           ("pp2-bf16", 2), ("pp2xcp2", 4), ("dp2", 2),
+                                           ("dp2xcp2", 4), ("dp2xpp2", 4), ("dp2xpp2xcp2", 8)])
 def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout, ranks):
     shared = [o for o in LAYOUTS[layout] if not o.startswith("parallel.")]
     reference = _step(_cfg(tmp_path / "ref", *shared))
     results = spawn(_distributed_step, ranks, str(tmp_path / layout), layout, timeout_s=120)
     root = results[0]
+    metrics_tol, tol = TOLERANCE.get(layout, (1e-4, 1e-4))
     assert reference["metrics"]["grad_norm"] > 0.05  # clipping is active: its reduction is tested
     for k, v in reference["metrics"].items():
-        assert abs(root["metrics"][k] - v) <= 1e-4 * max(1.0, abs(v)), (k, root["metrics"][k], v)
+        assert abs(root["metrics"][k] - v) <= metrics_tol * max(1.0, abs(v)), (k, root["metrics"][k], v)
     # Every rank's policy gradients (cp: replicas; pp: its stage's) equal the reference's.
     covered = set()
     for rank, r in enumerate(results):
         for name, g in r["policy_grads"].items():
-            assert _rel(g, reference["policy_grads"][name]) <= 1e-4, (rank, name)
+            assert _rel(g, reference["policy_grads"][name]) <= tol, (rank, name)
             covered.add(name)
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
-    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2xcp2": 2, "dp2": 2,
+    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2-bf16": 1, "pp2xcp2": 2, "dp2": 2,
                            "dp2xcp2": 4, "dp2xpp2": 2, "dp2xpp2xcp2": 4}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()
         for name, g in r["draft_grads"].items():
-            assert _rel(g, reference["draft_grads"][name]) <= 1e-4, name
+            assert _rel(g, reference["draft_grads"][name]) <= tol, name
     # Every engine's copies (one per dp replica) are the trained weights, exactly.
     trained = {k: v for r in results for k, v in r["stage"].items()}
     trained_draft = owners[-1]["draft"]

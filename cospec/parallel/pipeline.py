@@ -47,6 +47,7 @@ from torch import Tensor
 
 from cospec.draft.ttt import TTTBatch, cat_batches, select_sequences
 from cospec.models.llama import Transformer
+from cospec.models.precision import autocast
 from cospec.parallel.tap_channel import TapChannel
 
 
@@ -209,6 +210,8 @@ class PipelineStep:
     step's number of microbatches (a `TapCapture` keeps the draft's inputs of each).
     before_backward(m, is_last): called before each backward, ``is_last`` for the step's last one
     (an FSDP2-sharded stage reduces its accumulated gradients only then).
+    autocast: the forwards' mixed precision (`grpo.autocast`; the backwards run outside it); the
+    activation sent on is cast to the stage's weight dtype, which its receiver expects.
     """
 
     model: Transformer
@@ -218,6 +221,7 @@ class PipelineStep:
     taps: object | None = None
     on_last_backward: Callable[[Microbatch, Tensor, int], None] | None = None
     before_backward: Callable[[int, bool], None] | None = None
+    autocast: str = ""
     _saved: dict = field(default_factory=dict)
 
     def run(self, microbatches: list[Microbatch], step: int = 0) -> float | None:
@@ -253,20 +257,24 @@ class PipelineStep:
         if self.taps is not None:
             self.taps.set_microbatch(m)  # the stamp of the taps this forward posts
         pos = mb.positions.to(cu.device)[None] if mb.positions is not None else None
-        if self.first:
-            x = None
-            out = self.model(mb.tokens.to(cu.device)[None], cu_seqlens=cu, positions_BT=pos)
-        else:
+        x = None
+        if not self.first:
             shape = (1, len(mb.tokens), self.model.config.hidden_size)
             x = t.recv(self._like, shape, t.stage - 1, "act", m).requires_grad_()
-            out = self.model(inputs_embeds=x, cu_seqlens=cu, positions_BT=pos)
+        with autocast(self.autocast, cu.device):
+            if self.first:
+                out = self.model(mb.tokens.to(cu.device)[None], cu_seqlens=cu, positions_BT=pos)
+            else:
+                out = self.model(inputs_embeds=x, cu_seqlens=cu, positions_BT=pos)
+            if self.last:
+                loss = self.loss_fn(out.logits[0], mb)
         if self.last:
-            loss = self.loss_fn(out.logits[0], mb)
             self._saved[m] = (x, loss, out.logits[0].detach())
         else:
+            hidden = out.hidden.to(self._like.dtype)
             # Ordering invariant: the forward's tap sends (posted by hooks) precede this send.
-            t.send(out.hidden, t.stage + 1, "act", m)
-            self._saved[m] = (x, out.hidden, None)
+            t.send(hidden, t.stage + 1, "act", m)
+            self._saved[m] = (x, hidden, None)
         if self.taps is not None:
             if getattr(self.taps, "sends_in_after_forward", False):
                 t.flush()  # a transport that blocks there needs the activation on its way

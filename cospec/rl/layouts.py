@@ -129,7 +129,7 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
         pipe_group=group.pipe_group, tap_group=group.tap_group, cp_group=group.cp_group,
         dp_group=group.dp_group, data_parallel=sharded,
         num_microbatches=cfg.parallel.microbatches, schedule=cfg.parallel.schedule,
-        tap_layers=taps, **_step_kwargs(cfg, draft))
+        tap_layers=taps, autocast=cfg.grpo.autocast, **_step_kwargs(cfg, draft))
     feeds_engine = group.cp_rank == 0  # the pipeline of cp column 0 gathers for the engine
     weight_sync = (StageWeightSync(group.pipe_group if feeds_engine else None, rollout_policy,
                                    dst=group.replica_first_rank)
@@ -166,7 +166,7 @@ def _pipelined(cfg: RunConfig, policy, group, draft, rollout_policy, rollout_dra
 
 def check_rl_config(cfg: RunConfig) -> None:
     """ConfigError for what GRPO training cannot do: its logprobs are of the temperature-scaled
-    distribution only; greedy rollouts give no group variance; no autocast in pipeline stages."""
+    distribution only; greedy rollouts give no group variance."""
     s = cfg.sampling
     if s.top_k != 0 or s.top_p != 1.0:
         raise ConfigError("sampling.top_k/top_p: must be off (0 / 1.0) for RL: the trainer's "
@@ -174,9 +174,6 @@ def check_rl_config(cfg: RunConfig) -> None:
     if s.temperature == 0:
         raise ConfigError("sampling.temperature: must be > 0 for RL (greedy rollouts have no "
                           "group variance to learn from)")
-    if cfg.grpo.autocast and cfg.parallel.pp > 1:
-        raise ConfigError("grpo.autocast: not supported with parallel.pp > 1 yet (the pipeline's "
-                          "stages run their forwards in model.dtype)")
 
 
 def _adamw(module, cfg: RunConfig) -> torch.optim.AdamW:

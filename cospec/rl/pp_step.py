@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from cospec.draft.ttt import TTTBatch
+from cospec.models.precision import autocast
 from cospec.parallel.data_parallel import (GatherOncePerStep, all_reduce_sum, full_tensor,
                                            local_tensor)
 from cospec.parallel.pipeline import Microbatch, PipelineStep, PipeTransport, TapCapture
@@ -83,16 +84,17 @@ class PipelinedPolicyStep:
     stage_layers: every stage's layer range (`split_layers`); tap_layers: the draft's (the channel
     is built for them; a call with no tap_layers runs without taps); draft_targets: the form the
     last stage keeps its logits in for the draft, and a call's ``sequences`` those it keeps
-    (microbatch by microbatch, as they come), as in `LocalPolicyStep`.
+    (microbatch by microbatch, as they come), as in `LocalPolicyStep`; autocast: the forwards'
+    mixed precision (`grpo.autocast`), on every stage.
     """
 
     def __init__(self, model, reference, optimizer, *, stage: int, stage_layers: list[range],
                  pipe_group, tap_group, num_microbatches: int, schedule: str, tap_layers=(),
                  cp_group=None, dp_group=None, data_parallel: bool = False, temperature: float,
                  clip_low: float, clip_high: float, kl_coef: float, grad_clip: float,
-                 draft_targets=None):
+                 autocast: str = "", draft_targets=None):
         self.model, self.reference, self.optimizer = model, reference, optimizer
-        self.draft_targets = draft_targets
+        self.draft_targets, self.autocast = draft_targets, autocast
         self.stage, self.num_stages = stage, len(stage_layers)
         self.first, self.last = stage == 0, stage == self.num_stages - 1
         self.pipe_group, self.num_microbatches, self.schedule = pipe_group, num_microbatches, schedule
@@ -142,16 +144,19 @@ class PipelinedPolicyStep:
         logits = []
         for mb in mbs:
             pos = mb.positions[None] if mb.positions is not None else None
-            if self.first:
-                out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens, positions_BT=pos)
-            else:
+            x = None
+            if not self.first:
                 x = t.recv(like, (1, len(mb.tokens), self.model.config.hidden_size), self.stage - 1,
                            "ref_act", mb.index)
-                out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens, positions_BT=pos)
+            with autocast(self.autocast, like.device):
+                if self.first:
+                    out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens, positions_BT=pos)
+                else:
+                    out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens, positions_BT=pos)
             if self.last:
                 logits.append(out.logits[0])
             else:
-                t.send(out.hidden, self.stage + 1, "ref_act", mb.index)
+                t.send(out.hidden.to(like.dtype), self.stage + 1, "ref_act", mb.index)
         t.finish()
         return logits
 
@@ -193,7 +198,8 @@ class PipelinedPolicyStep:
         with self._gathered(self.model) as gathered:
             step = PipelineStep(self.model, self.transport, loss_fn, schedule=self.schedule,
                                 taps=taps, on_last_backward=capture,
-                                before_backward=gathered.sync_on if gathered else None)
+                                before_backward=gathered.sync_on if gathered else None,
+                                autocast=self.autocast)
             step.run([Microbatch(tokens=m.tokens, cu_seqlens=m.cu_seqlens, targets=m.targets,
                                  loss_mask=m.loss_mask, index=m.index, positions=m.positions)
                       for m in mbs], step=self.num_steps)
