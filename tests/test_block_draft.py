@@ -265,3 +265,29 @@ def test_a_co_trained_block_draft_run_resumes_bit_exactly(tmp_path):
     for key in ("policy", "draft"):
         for (name, x), (_, y) in zip(a[key].state_dict().items(), b[key].state_dict().items()):
             assert torch.equal(x, y), f"{key} {name}"
+
+
+def test_the_block_drafts_loss_runs_under_autocast_where_cuda_refuses_binary_cross_entropy(
+        monkeypatch):
+    """draft.autocast on CUDA: autocast raises on binary_cross_entropy (the confidence head's
+    loss). Mimicked on the CPU by a binary_cross_entropy that refuses to run under autocast: the
+    block draft's TTT loss still runs in a bf16 autocast region, and equals the fp32 one closely."""
+    from cospec.draft.ttt import ttt_loss
+
+    real = F.binary_cross_entropy
+
+    def refused_under_autocast(*args, **kwargs):
+        if torch.is_autocast_enabled("cpu"):
+            raise RuntimeError("binary_cross_entropy is unsafe to autocast")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "binary_cross_entropy", refused_under_autocast)
+    policy = make_policy(TINY, std=0.5, seed=4)
+    torch.manual_seed(2)
+    draft = BlockDraft.from_policy(policy)
+    batch = packed_batch(policy, draft, [9, 14])
+    fp32, _ = ttt_loss(draft, batch, num_steps=3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16, metrics = ttt_loss(draft, batch, num_steps=3)
+    assert len(metrics["confidence_error"]) == 3
+    assert bf16.item() != fp32.item() and abs(bf16.item() - fp32.item()) < 0.02 * fp32.item()

@@ -31,6 +31,7 @@ from cospec.models.block_draft import BlockDraft
 from cospec.models.branch_attention import trunk_branch_attention
 from cospec.models.draft import Eagle3Draft, TappedDraft
 from cospec.models.llama import packed_positions, rope_cos_sin
+from cospec.models.precision import autocast_off
 
 
 @dataclass
@@ -222,8 +223,9 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
             # input is detached: this term trains the head alone).
             conf = conf.to(tv_t.dtype)  # fp32, or fp64 like the TV (never down to fp32)
             accept = (1 - tv_t).detach().clamp(0, 1)
-            bce = torch.nn.functional.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), accept,
-                                                           reduction="none")
+            with autocast_off(conf.device):  # CUDA's autocast refuses binary_cross_entropy
+                bce = torch.nn.functional.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), accept,
+                                                               reduction="none")
             total = total + (bce * mask).sum() / count
             metrics.setdefault("confidence_error", []).append(
                 (((conf - accept).abs() * mask).sum() / count).item())
