@@ -394,6 +394,31 @@ def test_a_reduced_draft_head_is_planned_with_its_targets_kept_at_its_width(caps
     assert last[12]["draft_cotrain"] < last[0]["draft_cotrain"]
 
 
+@pytest.mark.parametrize("shape", [
+    dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=50),
+    dict(hidden_size=128, num_heads=8, num_kv_heads=8, intermediate_size=352, vocab_size=300),
+    dict(hidden_size=256, num_heads=8, num_kv_heads=2, intermediate_size=704, vocab_size=2000)])
+def test_under_bf16_autocast_the_fp32_counts_are_an_upper_bound_and_the_plan_says_so(shape, capsys):
+    """Mixed precision is not modelled: what a policy forward and the draft's TTT loss save
+    under bf16 autocast (autocast's bf16 weight copies included) stays within the fp32 formulas,
+    at 0.77-0.98x of them on these shapes (the bound below: 0.7x), and `cospec plan` says so."""
+    cfg = ModelConfig(num_layers=3, max_seq_len=256, **shape)
+    lengths = [128, 96, 32]
+    formula = activation_floats(cfg, lengths, layers=3, first=True, last=True, kl=False) * 4
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = saved_bytes(cfg, lengths, kl=False, temperature=1.0)
+    assert 0.7 * formula <= mixed <= formula
+    draft_cfg = resolve("tiny", overrides=DRAFT_SHAPE)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        mixed = ttt_saved_bytes(draft_cfg, [30, 20, 10], steps=3)
+    assert 0.7 * ttt_saved_bytes(draft_cfg, [30, 20, 10], steps=3) <= mixed < ttt_saved_bytes(
+        draft_cfg, [30, 20, 10], steps=3)
+    assert main(["plan", "--recipe", "tiny", "grpo.autocast=bfloat16"]) == 0
+    assert "mixed precision (grpo.autocast, draft.autocast) is not modelled" in capsys.readouterr().out
+    assert main(["plan", "--recipe", "tiny"]) == 0
+    assert "not modelled" not in capsys.readouterr().out
+
+
 def test_cospec_plan_reads_rollout_lengths_and_refuses_bad_ones(tmp_path, capsys):
     lengths = tmp_path / "lengths.txt"
     lengths.write_text("40, 90\n25 64\n")

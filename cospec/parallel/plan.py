@@ -366,6 +366,12 @@ def format_plan(cfg: RunConfig, stages: list[StagePlan], context: int | str) -> 
             lines.append("  received per step, GiB")
             for k, v in sp.comm.items():
                 lines.append(f"  {k:<24}{gib(v)}")
+    if cfg.grpo.autocast or cfg.draft.autocast:
+        lines.append("\nnote: mixed precision (grpo.autocast, draft.autocast) is not modelled: the "
+                     "activations above are counted in fp32, and autocast's bf16 copies of the "
+                     "matmul weights (2 bytes a weight, held through the backward) are left out; "
+                     "on small shapes a step under autocast saved 0.77-0.98x the fp32 count, "
+                     "the copies included (docs/results/parallel_grpo.md)")
     return "\n".join(lines)
 
 
