@@ -93,7 +93,8 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
     elif draft is not None or cfg.draft.kind != "eagle3":
         # no serving stack reads a block draft or a draft LM in a layout cospec could write for
         # it (DFlash's own checkpoints come with their own modelling code): say so, not nothing
-        kind = cfg.draft.kind if draft is None else "block" if isinstance(draft, BlockDraft) else "lm"
+        kind = (cfg.draft.kind if draft is None
+                else "block" if isinstance(draft, BlockDraft) else "lm")
         print(f"the {kind} draft is not exported: only an EAGLE-3 draft has a layout other tools "
               f"read (the run's own checkpoints keep it)")
     print(f"exported from {source}: " + ", ".join(f"{k} -> {v}" for k, v in written.items()))

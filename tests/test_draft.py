@@ -369,7 +369,8 @@ def test_draft_autocast_runs_the_training_forwards_in_bf16_and_updates_like_fp32
         opt = torch.optim.SGD(draft.parameters(), lr=1.0)
         d = DraftConfig(autocast=precision, cotrain_max_tokens=0)
         metrics = cotrain_draft(draft, opt, [batch], d, temperature=1.0, seed=0, loss_fn=ttt_loss)
-        delta = torch.cat([(p - p0).flatten() for p, p0 in zip(draft.parameters(), start.parameters())])
+        delta = torch.cat([(p - p0).flatten()
+                           for p, p0 in zip(draft.parameters(), start.parameters())])
         runs[precision] = (metrics["draft_loss"], delta)
     (loss32, delta32), (loss16, delta16) = runs[""], runs["bfloat16"]
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.01 * loss32

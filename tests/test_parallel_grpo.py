@@ -3,10 +3,11 @@ whole trainer step (rollouts, the policy update, the draft's co-training, the we
 parallel.cp=N, parallel.pp=N, parallel.dp=2 and the meshes pp x cp, dp x cp, dp x pp and
 dp x pp x cp (8 ranks) equals the same step on one process.
 
-Compared, in fp32 (and pp2 under bf16 autocast against one process under it): the step's loss, KL, entropy and draft loss; every policy gradient and every
-draft gradient the step leaves behind (relative to the largest entry, tolerance 1e-4: the ranks
-compute the same sums in another order; a wrong shard, a missing all-reduce or a microbatch's loss
-divided by its own token count is off by O(1)). The rollout engine's copy of the policy after the
+Compared, in fp32 (and pp2 under bf16 autocast against one process under it, `TOLERANCE`): the
+step's loss, KL, entropy and draft loss; every policy gradient and every draft gradient the step
+leaves behind (relative to the largest entry, tolerance 1e-4: the ranks compute the same sums in
+another order; a wrong shard, a missing all-reduce or a microbatch's loss divided by its own token
+count is off by O(1)). The rollout engine's copy of the policy after the
 sync must equal the trained weights exactly (cp: rank 0's replica; pp: the stages gathered).
 How to read a failure: loss right, gradients wrong -> the backward's reduction (cp all-reduce, pp
 clipping across stages); policy right, draft wrong -> the taps' path (cp gather, TapChannel); sync
@@ -134,7 +135,8 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
     metrics_tol, tol = TOLERANCE.get(layout, (1e-4, 1e-4))
     assert reference["metrics"]["grad_norm"] > 0.05  # clipping is active: its reduction is tested
     for k, v in reference["metrics"].items():
-        assert abs(root["metrics"][k] - v) <= metrics_tol * max(1.0, abs(v)), (k, root["metrics"][k], v)
+        assert abs(root["metrics"][k] - v) <= metrics_tol * max(1.0, abs(v)), \
+            (k, root["metrics"][k], v)
     # Every rank's policy gradients (cp: replicas; pp: its stage's) equal the reference's.
     covered = set()
     for rank, r in enumerate(results):
@@ -143,7 +145,8 @@ def test_a_distributed_grpo_step_equals_the_single_process_step(tmp_path, layout
             covered.add(name)
     assert covered == set(reference["policy_grads"])
     owners = [r for r in results if r["draft"] is not None]
-    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2-bf16": 1, "pp2xcp2": 2, "dp2": 2,
+    assert len(owners) == {"cp2": 2, "cp4": 4, "pp2": 1, "pp4": 1, "pp2-bf16": 1, "pp2xcp2": 2,
+                           "dp2": 2,
                            "dp2xcp2": 4, "dp2xpp2": 2, "dp2xpp2xcp2": 4}[layout]
     for r in owners:
         assert r["draft_grads"].keys() == reference["draft_grads"].keys()

@@ -38,8 +38,9 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
     """``d.cotrain_iters`` passes over the captured batches (at most ``d.cotrain_max_tokens``
     tokens of whole sequences, chosen by ``seed``: the same on every rank and again after a
     resume). ``loss_fn``: `ttt_loss` or its context-parallel form, whose ``reduce_grads`` turns
-    the ranks' shares into the whole gradient. The forwards run under ``d.autocast``. Returns the last update's loss and teacher-forced
-    acceptance per TTT step, and how many updates were skipped as non-finite."""
+    the ranks' shares into the whole gradient. The forwards run under ``d.autocast``. Returns
+    the last update's loss and teacher-forced acceptance per TTT step, and how many updates were
+    skipped as non-finite."""
     draft.train()
     device = next(draft.parameters()).device
     metrics: dict = {}

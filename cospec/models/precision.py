@@ -4,8 +4,8 @@
 ``draft.autocast`` the draft's training forwards): matmuls in bf16, reductions, softmaxes and the
 losses (which upcast their logits explicitly) in fp32; weights, gradients and optimizer state
 stay in ``model.dtype``. On CPUs with AMX this makes a SmolLM2 forward + backward 2.4x faster
-(docs/results/real_model.md); on GPUs it is how RL trainers run. The backward runs outside the context, as PyTorch recommends: it follows the
-dtypes the forward recorded.
+(docs/results/real_model.md); on GPUs it is how RL trainers run. The backward runs outside the
+context, as PyTorch recommends: it follows the dtypes the forward recorded.
 
 Hand-written attention (the draft's trunk + branch attention, the context-parallel ring) runs
 `outside_autocast`: autocast would put its score matmuls in bf16, and the softmax backward,

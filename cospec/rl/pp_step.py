@@ -150,9 +150,11 @@ class PipelinedPolicyStep:
                            "ref_act", mb.index)
             with autocast(self.autocast, like.device):
                 if self.first:
-                    out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens, positions_BT=pos)
+                    out = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens,
+                                         positions_BT=pos)
                 else:
-                    out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens, positions_BT=pos)
+                    out = self.reference(inputs_embeds=x, cu_seqlens=mb.cu_seqlens,
+                                         positions_BT=pos)
             if self.last:
                 logits.append(out.logits[0])
             else:
