@@ -5,6 +5,7 @@
     python docs/results/real_model/bf16_draft.py train /tmp/bf16.pt emu 60 /tmp/emu
     python docs/results/real_model/bf16_draft.py train /tmp/bf16.pt emu+attn 60 /tmp/emu_attn
     python docs/results/real_model/bf16_draft.py grad /tmp/bf16.pt /tmp/fp32.40.pt emu,emu+attn,emu+head,...
+    python docs/results/real_model/bf16_draft.py sdpa     # the policy's SDPA under real autocast
 
 (docs/results/real_model.md, "Training the draft under bf16 autocast"). Why the EAGLE-3 TTT loss
 stopped learning under bf16 autocast, on a CPU without bf16 matmul units, where a real bf16
@@ -184,6 +185,25 @@ def grads(path: str, state_path: str, variants: str) -> None:
               flush=True)
 
 
+def sdpa() -> None:
+    """The policy's attention (SDPA, causal) under real bf16 autocast against fp32, on the same
+    bf16-representable inputs with sharp scores: the cosines of the q, k, v gradients."""
+    torch.manual_seed(0)
+    N, H, L, D = 4, 4, 128, 64
+    q, k = ((torch.randn(N, H, L, D) * 3).bfloat16().float() for _ in range(2))
+    v, g = torch.randn(N, H, L, D).bfloat16().float(), torch.randn(N, H, L, D)
+
+    def grads(enabled):
+        xs = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled):
+            out = F.scaled_dot_product_attention(*xs, is_causal=True)
+        (out.float() * g).sum().backward()
+        return [x.grad.flatten() for x in xs]
+
+    print("SDPA under autocast, gradient cosines q k v:",
+          [round(F.cosine_similarity(a, b, 0).item(), 5) for a, b in zip(grads(True), grads(False))])
+
+
 if __name__ == "__main__":
     torch.set_num_threads(2)
     what, args = sys.argv[1], sys.argv[2:]
@@ -191,5 +211,7 @@ if __name__ == "__main__":
         make_data(int(args[0]), args[1])
     elif what == "train":
         train(args[0], args[1], int(args[2]), args[3])
+    elif what == "sdpa":
+        sdpa()
     else:
         grads(*args)
