@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from cospec.models.precision import outside_autocast
+
 #: query rows (per sequence and kv-head group) whose scores exist at once
 QUERY_TILE = 256
 
@@ -93,6 +95,7 @@ def _tiles(num_rows: int):
         yield slice(start, min(start + QUERY_TILE, num_rows))
 
 
+@outside_autocast  # fp32 scores under autocast too (cospec.models.precision says why)
 def block_forward(q_NHQD: Tensor, k_NHkvKD: Tensor, v_NHkvKD: Tensor, mask_NQK: Tensor,
                   scale: float) -> tuple[Tensor, Tensor]:
     """softmax(q k^T * scale, masked) v and its log-sum-exp: (out [N, H, Q, D], lse [N, H, Q]).
@@ -114,6 +117,7 @@ def block_forward(q_NHQD: Tensor, k_NHkvKD: Tensor, v_NHkvKD: Tensor, mask_NQK: 
     return out, lse
 
 
+@outside_autocast
 def block_backward(do_NHQD: Tensor, q_NHQD: Tensor, k_NHkvKD: Tensor, v_NHkvKD: Tensor,
                    lse_NHQ: Tensor, delta_NHQ: Tensor, mask_NQK: Tensor,
                    scale: float) -> tuple[Tensor, Tensor, Tensor]:

@@ -34,7 +34,6 @@ from torch import Tensor
 
 from cospec.models.attention import AttentionLayout
 from cospec.models.branch_attention import branch_attention, merge_attention
-from cospec.models.precision import autocast_off
 from cospec.parallel.block_attention import HalvesLayout, acc_dtype, block_backward, block_forward
 from cospec.parallel.ring_checks import check_ring_inputs
 from cospec.parallel.zigzag import ZigzagLayout
@@ -167,8 +166,7 @@ class _RingTrunkBranch(torch.autograd.Function):
     def forward(ctx, q_HLD, k_HkvLD, v_HkvLD, bk_JHkvLD, bv_JHkvLD, hl, ring, scale):
         dt = acc_dtype(q_HLD.dtype)
         kv = torch.stack([k_HkvLD, v_HkvLD]).contiguous()  # travels in the input dtype
-        with autocast_off(q_HLD.device):  # fp32 scores under autocast too (cospec.models.precision)
-            out_h, lse_h = _ring_forward(ring, hl.to_halves(q_HLD.to(dt)), kv, hl, scale)
+        out_h, lse_h = _ring_forward(ring, hl.to_halves(q_HLD.to(dt)), kv, hl, scale)
         out, lse = hl.from_halves(out_h), hl.from_halves(lse_h)
         if bk_JHkvLD.shape[0] > 0:
             out_b, lse_b = branch_attention(q_HLD, bk_JHkvLD, bv_JHkvLD, scale)
@@ -188,10 +186,9 @@ class _RingTrunkBranch(torch.autograd.Function):
         # Padding rows of the halves layout copy a real row; with dO = delta = 0 there they add
         # nothing (ds = p * (dp - delta) = 0).
         valid = hl.valid_NS[:, None, :].to(dt)
-        with autocast_off(do.device):  # the backward may run inside an autocast region too
-            dq_h, dkv = _ring_backward(ring, hl.to_halves(do) * valid[..., None],
-                                       hl.to_halves(q_HLD.to(dt)), kv, hl.to_halves(lse),
-                                       hl.to_halves(delta) * valid, hl, scale)
+        dq_h, dkv = _ring_backward(ring, hl.to_halves(do) * valid[..., None],
+                                   hl.to_halves(q_HLD.to(dt)), kv, hl.to_halves(lse),
+                                   hl.to_halves(delta) * valid, hl, scale)
         dq = hl.from_halves(dq_h)
         dbk = dbv = None
         if bk.shape[0] > 0:
