@@ -40,8 +40,9 @@ def block_unroll(draft: BlockDraft, steps, cu_seqlens: Tensor,
     # RoPE of block position i at anchor t: position t + i; [G, 1, T, D], one row per i
     offsets = torch.arange(G, device=steps.positions_T.device)
     cos, sin = (x.to(dtype) for x in rope_cos_sin(steps.positions_T[None] + offsets[:, None], cfg))
-    # [G, T, C]: position 0 reads the anchor token, the others the mask embedding
-    x = draft.block_inputs(steps.tokens_JT[0], G).transpose(0, 1)
+    # [G, T, C]: position 0 reads the anchor token, the others the mask embedding. Contiguous:
+    # on the transposed view every projection would copy its input (q, k, v three copies)
+    x = draft.block_inputs(steps.tokens_JT[0], G).transpose(0, 1).contiguous()
     for lid, layer in draft.layers.items():
         attn = layer.self_attn
         trunk_k, trunk_v = draft.context_kv(int(lid), context, cos0, sin0)

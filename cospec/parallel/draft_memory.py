@@ -23,7 +23,19 @@ Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
   tokens (and padding) with ring attention, no dense scores: per step
   (12 C + 4 I + 2 D + 4 Vd + 5 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T.
   The largest minibatch's update sets the peak.
-Not modelled: the block drafter.
+
+The block draft (draft.kind=block, `cospec.draft.block_ttt.block_unroll`; G = draft.ttt_steps block
+positions, L = draft.block_layers layers) saves, counted the same way (tests/test_plan.py):
+- once: the raw and fused features, the G x T token ids, the context's and the block's RoPE
+  tables, the last layer's output (which the heads read): (k C + C + 2 G + 2 D + 2 G D + G C) T;
+- per layer: the context's keys and values (2 C + 1) T, and the G positions through the layer at
+  once, (7 C + 4 I + 2 + H D) G T (H D: the queries, kept whole for the G attention calls);
+- per layer and block position i = 0..G-1, the attention over the context (trunk) and the block's
+  keys 0..i (branch): dense, 2 N Lm + 3 N H Lm D + 2 N H Lm^2 + Lm^2 / 4 + N H Lm + 2 T
+  + (2 i + 4) H D T + (2 i + 6) H T; under cp (the ring, on a rank's shard), (2 Hkv D + H + H D) T
+  per position and 2 G Hkv D T per layer (the block's keys and values, rank-local);
+- per block position: the head and the loss (2 C + 4 Vd + 2) T + 1, the sequential correction
+  (3 C + 1) T, the confidence head (2 C + 4) T (each when switched on).
 """
 
 from __future__ import annotations
@@ -55,6 +67,28 @@ def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longe
     return floats
 
 
+def block_activation_floats(d: ModelConfig, tokens: float, sequences: float, longest: int, *,
+                           steps: int, taps: int, ring: bool = False, head: int = 0,
+                           correction: bool = False, confidence: bool = True) -> float:
+    """fp32 numbers the block draft's training (`block_unroll` and the loss) saves for backward on
+    a batch of ``tokens`` in ``sequences`` of up to ``longest``: the module docstring's formula,
+    ``d`` the draft's config (its num_layers the block's layers), ``steps`` the block positions G,
+    ``head`` Vd (0: d.vocab_size); ``ring``: a cp rank's shard, its trunk attention the ring's."""
+    T, N, L, G, Vd = tokens, sequences, longest, steps, head or d.vocab_size
+    C, H, Hkv, D, Lyr = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.num_layers
+    floats = (taps * C + C + 2 * G + 2 * D + 2 * G * D + G * C) * T
+    per_layer = (2 * C + 1) * T + (7 * C + 4 * d.intermediate_size + 2 + H * D) * G * T
+    if ring:
+        per_layer += 2 * G * Hkv * D * T + G * (2 * Hkv * D + H + H * D) * T
+    else:  # sum over i of the per-position terms: sum (2 i + 4) = G (G + 3), sum (2 i + 6) = G (G + 5)
+        per_layer += G * (2 * N * L + 3 * N * H * L * D + 2 * N * H * L * L + L * L / 4
+                          + N * H * L + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
+    floats += Lyr * per_layer
+    per_position = (2 * C + 4 * Vd + 2) * T + 1
+    per_position += (3 * C + 1) * T * correction + (2 * C + 4) * T * confidence
+    return floats + G * per_position
+
+
 def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
     """(tokens, sequences) the draft keeps of a minibatch of sequences of these lengths, given
     its share ``per_batch`` of the token budget (0: all): whole sequences, at least one."""
@@ -73,12 +107,16 @@ def kept_vocab(policy: ModelConfig, head: int = 0) -> int:
 
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
-                       head: int = 0) -> dict[str, float]:
+                       head: int = 0, kind: str = "eagle3", correction: bool = False,
+                       confidence: bool = True) -> dict[str, float]:
     """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
     of one): ``draft_captured`` and ``draft_cotrain``. ``taps``:
     the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
     included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
-    ``cp`` the targets of the whole share, the activations of a rank's shard."""
+    ``cp`` the targets of the whole share, the activations of a rank's shard. ``kind``: eagle3
+    or block (with its ``correction`` and ``confidence`` heads switched on or off)."""
+    if kind not in ("eagle3", "block"):
+        raise ValueError(f"draft memory is modelled for draft.kind eagle3 and block, not {kind!r}")
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
     Vk = kept_vocab(policy, head)
     row = taps * policy.hidden_size + Vk + 3  # a kept token's features
@@ -88,6 +126,12 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
         kept += row * T
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
-        update = max(update, steps * Vk * T + ttt_activation_floats(
-            d, local, N, max(mb), steps=steps, taps=features, ring=cp > 1, head=head))
+        if kind == "block":
+            saved = block_activation_floats(d, local, N, max(mb), steps=steps, taps=features,
+                                            ring=cp > 1, head=head, correction=correction,
+                                            confidence=confidence)
+        else:
+            saved = ttt_activation_floats(d, local, N, max(mb), steps=steps, taps=features,
+                                          ring=cp > 1, head=head)
+        update = max(update, steps * Vk * T + saved)
     return {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}

@@ -42,13 +42,13 @@ as they receive):
   out of it, their gradients; and TapChannel's taps T C per tapped layer into the last stage;
 - cp ring: per layer and minibatch, a rank's K and V shards cp - 1 hops forward (the policy's, and
   the reference's with a KL) and backward, dK and dV cp hops; the draft's trunk K and V the same
-  per TTT step of each co-training update, and its captured taps and logits once a minibatch
-  (what the other ranks hold of the drawn sequences); the shards hold the zigzag padding (each
+  per TTT step of each co-training update (the block draft: per block position and layer), and
+  its captured taps and logits once a minibatch (what the other ranks hold of the drawn
+  sequences); the shards hold the zigzag padding (each
   sequence padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean
   rate).
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers),
-allocator fragmentation, the block drafter's co-training, and mixed precision (grpo.autocast,
-draft.autocast).
+allocator fragmentation, and mixed precision (grpo.autocast, draft.autocast).
 `docs/results/parallel/memory_peaks.py` measures a step's peak of tensor memory (temporaries
 included) against the total: within 5% on every layout here.
 """
@@ -256,7 +256,7 @@ def _stage_memory(run: _Run, s: int) -> dict:
         mem["fsdp_unsharded"] = 2 * unit * FP32
     if run.draft is not None and last:  # co-trained: sharded like the stage under dp
         mem["draft"] = _count(run.draft) * FP32 * (4 / shard if run.cotrained_draft else 1)
-        if run.cotrained_draft and run.cfg.draft.kind == "eagle3":
+        if run.cotrained_draft:
             mem.update(_draft_cotrain_memory(run))
     mem["activations"] = max(activation_peak_bytes(run.cfg, run.lengths, stage=s, replica=r)
                              for r in range(p.dp))  # the largest replica's
@@ -274,7 +274,8 @@ def _draft_cotrain_memory(run: _Run) -> dict:
     budget = max(1, d.cotrain_max_tokens // p.dp) if d.cotrain_max_tokens else 0
     parts = [draft_memory_bytes(m, run.draft.config, replica_minibatches(run.cfg, run.lengths, r),
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
-                                max_tokens=budget, cp=p.cp, head=d.vocab_size)
+                                max_tokens=budget, cp=p.cp, head=d.vocab_size, kind=d.kind,
+                                correction=d.block_correction, confidence=d.block_confidence)
              for r in range(p.dp)]
     return {k: max(part[k] for part in parts) for k in parts[0]}
 
@@ -311,7 +312,8 @@ def _stage_comm(run: _Run, s: int) -> dict:
               * m.head_dim * FP32)
         hops = 2 * (p.cp - 1) + p.cp + ((p.cp - 1) if run.kl else 0)
         comm["cp_ring"] = len(run.layers[s]) * g.micro_steps * hops * kv
-        if last and run.cotrained_draft:  # the draft's trunk K/V, once per TTT step
+        if last and run.cotrained_draft:  # the draft's trunk K/V, once per TTT step (the
+            # block draft: per block position and layer)
             d = run.cfg.draft
             tokens = run.minibatch_tokens / p.dp
             if d.cotrain_max_tokens:  # each replica samples its share of the budget
@@ -320,7 +322,7 @@ def _stage_comm(run: _Run, s: int) -> dict:
             kv_d = (2 * tokens * run.zigzag_padding / p.cp * dcfg.num_kv_heads * dcfg.head_dim
                     * FP32)
             comm["cp_ring_draft"] = (d.cotrain_iters * g.micro_steps * d.ttt_steps
-                                     * (2 * (p.cp - 1) + p.cp) * kv_d)
+                                     * len(run.draft.layers) * (2 * (p.cp - 1) + p.cp) * kv_d)
             # the capture: the drawn sequences' taps and kept logits, the other ranks' shards
             # gathered once a minibatch (`cospec.rl.cp_step.gathered_capture`)
             width = len(set(run.draft.tap_layers)) * m.hidden_size + kept_vocab(m, d.vocab_size)
