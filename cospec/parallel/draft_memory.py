@@ -99,6 +99,12 @@ def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
     return min(T, max(per_batch, keep * T / N)), keep
 
 
+def kept_logit_bytes(head: int, autocast: str) -> int:
+    """Bytes of a policy logit kept for the draft: the logits' own dtype (bf16 under the policy
+    step's ``autocast``), but a reduced head's targets are computed in fp32 (`compress_to_head`)."""
+    return 2 if autocast and not head else FP32
+
+
 def kept_vocab(policy: ModelConfig, head: int = 0) -> int:
     """Vk: the numbers a token of the policy's logits are kept in for a draft whose head has
     ``head`` ids (0: the whole vocabulary)."""
@@ -108,18 +114,20 @@ def kept_vocab(policy: ModelConfig, head: int = 0) -> int:
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
                        head: int = 0, kind: str = "eagle3", correction: bool = False,
-                       confidence: bool = True) -> dict[str, float]:
+                       confidence: bool = True, logit_bytes: int = FP32) -> dict[str, float]:
     """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
     of one): ``draft_captured`` and ``draft_cotrain``. ``taps``:
     the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
     included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
     ``cp`` the targets of the whole share, the activations of a rank's shard. ``kind``: eagle3
-    or block (with its ``correction`` and ``confidence`` heads switched on or off)."""
+    or block (with its ``correction`` and ``confidence`` heads switched on or off).
+    ``logit_bytes``: of a kept logit (`kept_logit_bytes`)."""
     if kind not in ("eagle3", "block"):
         raise ValueError(f"draft memory is modelled for draft.kind eagle3 and block, not {kind!r}")
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
     Vk = kept_vocab(policy, head)
-    row = taps * policy.hidden_size + Vk + 3  # a kept token's features
+    # a kept token's features (fp32), logits and token id (int64) and loss mask, in bytes
+    row = (taps * policy.hidden_size + 3) * FP32 + Vk * logit_bytes
     kept = update = 0.0
     for mb in minibatches:
         T, N = kept_share(mb, per_batch)
@@ -133,5 +141,5 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
         else:
             saved = ttt_activation_floats(d, local, N, max(mb), steps=steps, taps=features,
                                           ring=cp > 1, head=head)
-        update = max(update, steps * Vk * T + saved)
-    return {"draft_captured": kept * FP32, "draft_cotrain": update * FP32}
+        update = max(update, steps * Vk * T * logit_bytes + saved * FP32)
+    return {"draft_captured": kept, "draft_cotrain": update}

@@ -18,7 +18,7 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
 - activations saved for backward (what this implementation saves, counted with
   `cospec.metrics.saved_activations`; `tests/test_plan.py` checks the formula on every stage
   kind and the peak of whole trainer steps), per microbatch of T tokens in N sequences of up to
-  Lmax, in fp32: per layer (7C + 4I + 2) T in token layout and (2HD + 2HkvD + H) N Lmax in the
+  Lmax, in fp32 (bf16 autocast: below): per layer (7C + 4I + 2) T in token layout and (2HD + 2HkvD + H) N Lmax in the
   attention's padded layout (ring attention under cp: T); per stage (2D + 2) T of RoPE tables and
   2 T + 2 N Lmax of attention indices; the token ids 2 T on the first stage; on the last the
   final norm's and the head's inputs (3C + 1) T and the GRPO loss (V + 7) T, 3 V T more with a KL
@@ -47,8 +47,15 @@ as they receive):
   sequences); the shards hold the zigzag padding (each
   sequence padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean
   rate).
+Under bf16 autocast (grpo.autocast) the activations are counted by dtype: the norms, the
+attention's log-sum-exp and the loss in fp32, each matmul's input (its own bf16 cast: 6 C + 4 I
+a token and layer) and the attention's q, k, v, output in bf16 (the ring's output fp32), and the
+bf16 copy autocast makes of every matmul weight for each forward, held until its backward (under
+pp: one copy per microbatch in flight; under FSDP2: of the unsharded weights); the ring's K and V
+travel in bf16 (dK, dV fp32), and a full-vocabulary draft keeps the policy's logits in bf16.
 Not modelled: the transient workspace of a kernel (softmax temporaries, matmul buffers),
-allocator fragmentation, and mixed precision (grpo.autocast, draft.autocast).
+allocator fragmentation, and the draft's mixed precision (draft.autocast: counted in fp32, an
+upper bound).
 `docs/results/parallel/memory_peaks.py` measures a step's peak of tensor memory (temporaries
 included) against the total: within 5% on every layout here.
 """
@@ -65,7 +72,7 @@ import torch
 from cospec.config import RunConfig
 from cospec.config.sections import ModelConfig
 from cospec.data.packing import balanced_cuts
-from cospec.parallel.draft_memory import draft_memory_bytes, kept_vocab
+from cospec.parallel.draft_memory import draft_memory_bytes, kept_logit_bytes, kept_vocab
 from cospec.parallel.pipeline import schedule_actions, split_layers
 
 FP32 = 4
@@ -75,21 +82,36 @@ PHASES = (("activations",), ("draft_cotrain",))
 DTYPE_BYTES = {"": FP32, "float32": 4, "bfloat16": 2, "float16": 2}
 
 
-def activation_floats(m: ModelConfig, lengths: Sequence[int], *, layers: int, first: bool,
-                      last: bool, kl: bool, ring: bool = False) -> float:
-    """fp32 numbers saved for backward by one forward of a packed row of sequences of ``lengths``
-    tokens on a stage of ``layers`` layers (the module docstring's formula). The attention's part
-    sits in the padded [N, Lmax] layout, or with ``ring`` (cp ring attention) in the row's own."""
-    H, Hkv, D = m.num_heads, m.num_kv_heads, m.head_dim
+def activation_bytes(m: ModelConfig, lengths: Sequence[int], *, layers: int, first: bool,
+                     last: bool, kl: bool, ring: bool = False, autocast: bool = False) -> float:
+    """Bytes saved for backward by one forward of a packed row of sequences of ``lengths`` tokens
+    on a stage of ``layers`` layers (the module docstring's formula). The attention's part sits
+    in the padded [N, Lmax] layout, or with ``ring`` (cp ring attention) in the row's own.
+    ``autocast``: under bf16 autocast (``grpo.autocast``), with its bf16 weight copies."""
+    C, I, H, Hkv, D = m.hidden_size, m.intermediate_size, m.num_heads, m.num_kv_heads, m.head_dim
     T = sum(lengths)
     slots = T if ring else len(lengths) * max(lengths)
-    per_layer = (7 * m.hidden_size + 4 * m.intermediate_size + 2) * T + (
-        2 * H * D + 2 * Hkv * D + H) * slots
     # RoPE tables and the attention's two int64 indices (token layout, padded layout); the token
-    # ids on the first stage; the final norm's and the head's inputs on the last
-    outside = (2 * D + 2 + 2 * first + (3 * m.hidden_size + 1) * last) * T + 2 * slots
+    # ids on the first stage; the final norm's and the head's inputs on the last; the GRPO loss,
+    # always fp32 (autocast runs log_softmax in fp32)
+    outside = (2 * D + 2 + 2 * first) * T + 2 * slots
     loss = (m.vocab_size + 7 + (3 * m.vocab_size if kl else 0)) * T if last else 0
-    return layers * per_layer + outside + loss
+    if not autocast:
+        per_layer = (7 * C + 4 * I + 2) * T + (2 * H * D + 2 * Hkv * D + H) * slots
+        return FP32 * (layers * per_layer + outside + (3 * C + 1) * T * last + loss)
+    # bf16 autocast: the norms stay fp32 (their inputs, 1 / rms and outputs: (4 C + 2) T), each
+    # matmul saves its own bf16 cast of its input (q, k, v, gate and up each cast the norm's
+    # fp32 output: 6 C T with o_proj's and down_proj's 4 I T) and of its weight (a copy for
+    # every forward, held until its backward); attention in bf16 but its log-sum-exp (and the
+    # ring's output, computed in fp32)
+    weights = 2 * C * H * D + 2 * C * Hkv * D + 3 * C * I
+    if ring:
+        attn_fp32, attn_bf16 = (H * D + H) * slots, (H * D + 2 * Hkv * D) * slots
+    else:
+        attn_fp32, attn_bf16 = H * slots, (2 * H * D + 2 * Hkv * D) * slots
+    fp32 = layers * ((4 * C + 2) * T + attn_fp32) + outside + (2 * C + 1) * T * last + loss
+    bf16 = layers * ((6 * C + 4 * I) * T + attn_bf16 + weights) + (C * T + m.vocab_size * C) * last
+    return FP32 * fp32 + 2 * bf16
 
 
 def rank_microbatches(cfg: RunConfig, lengths: Sequence[int], replica: int) -> list[list[list[int]]]:
@@ -129,13 +151,14 @@ def activation_peak_bytes(cfg: RunConfig, lengths: Sequence[int], *, stage: int,
     kl = bool(cfg.grpo.kl_coef or cfg.grpo.log_kl)
     peak = 0.0
     for micro in rank_microbatches(cfg, lengths, replica):
-        each = [activation_floats(cfg.model, mb, layers=len(layers), first=stage == 0,
-                                  last=stage == p.pp - 1, kl=kl, ring=p.cp > 1) for mb in micro]
+        each = [activation_bytes(cfg.model, mb, layers=len(layers), first=stage == 0,
+                                 last=stage == p.pp - 1, kl=kl, ring=p.cp > 1,
+                                 autocast=bool(cfg.grpo.autocast)) for mb in micro]
         live = 0.0
         for action, m in schedule_actions(p.schedule, stage, p.pp, len(micro)):
             live += each[m] if action == "F" else -each[m]
             peak = max(peak, live)
-    return peak * FP32
+    return peak
 
 
 def _meta_models(cfg: RunConfig):
@@ -275,7 +298,8 @@ def _draft_cotrain_memory(run: _Run) -> dict:
     parts = [draft_memory_bytes(m, run.draft.config, replica_minibatches(run.cfg, run.lengths, r),
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
                                 max_tokens=budget, cp=p.cp, head=d.vocab_size, kind=d.kind,
-                                correction=d.block_correction, confidence=d.block_confidence)
+                                correction=d.block_correction, confidence=d.block_confidence,
+                                logit_bytes=kept_logit_bytes(d.vocab_size, run.cfg.grpo.autocast))
              for r in range(p.dp)]
     return {k: max(part[k] for part in parts) for k in parts[0]}
 
@@ -307,11 +331,13 @@ def _stage_comm(run: _Run, s: int) -> dict:
             remote = [t for t in run.draft.tap_layers if t not in run.layers[s]]
             comm["taps"] = len(remote) * step_tokens * m.hidden_size * FP32
     if p.cp > 1:  # K and V of a rank's shard, per layer: cp - 1 hops forward (the policy's, and
-        # the reference's with a KL), cp - 1 backward, and cp for dK and dV
+        # the reference's with a KL), cp - 1 backward, in bf16 under autocast (they travel in
+        # the projections' dtype), and cp for dK and dV, accumulated in fp32
         kv = (2 * run.minibatch_tokens * run.zigzag_padding / p.dp / p.cp * m.num_kv_heads
-              * m.head_dim * FP32)
-        hops = 2 * (p.cp - 1) + p.cp + ((p.cp - 1) if run.kl else 0)
-        comm["cp_ring"] = len(run.layers[s]) * g.micro_steps * hops * kv
+              * m.head_dim)
+        hops = 2 * (p.cp - 1) + ((p.cp - 1) if run.kl else 0)
+        kv_bytes = 2 if run.cfg.grpo.autocast else FP32
+        comm["cp_ring"] = len(run.layers[s]) * g.micro_steps * (hops * kv_bytes + p.cp * FP32) * kv
         if last and run.cotrained_draft:  # the draft's trunk K/V, once per TTT step (the
             # block draft: per block position and layer)
             d = run.cfg.draft
@@ -325,9 +351,10 @@ def _stage_comm(run: _Run, s: int) -> dict:
                                      * len(run.draft.layers) * (2 * (p.cp - 1) + p.cp) * kv_d)
             # the capture: the drawn sequences' taps and kept logits, the other ranks' shards
             # gathered once a minibatch (`cospec.rl.cp_step.gathered_capture`)
-            width = len(set(run.draft.tap_layers)) * m.hidden_size + kept_vocab(m, d.vocab_size)
+            width = (len(set(run.draft.tap_layers)) * m.hidden_size * FP32 + kept_vocab(
+                m, d.vocab_size) * kept_logit_bytes(d.vocab_size, run.cfg.grpo.autocast))
             comm["cp_draft_capture"] = (g.micro_steps * tokens * run.zigzag_padding
-                                        * (p.cp - 1) / p.cp * width * FP32)
+                                        * (p.cp - 1) / p.cp * width)
     return comm
 
 
@@ -368,12 +395,11 @@ def format_plan(cfg: RunConfig, stages: list[StagePlan], context: int | str) -> 
             lines.append("  received per step, GiB")
             for k, v in sp.comm.items():
                 lines.append(f"  {k:<24}{gib(v)}")
-    if cfg.grpo.autocast or cfg.draft.autocast:
-        lines.append("\nnote: mixed precision (grpo.autocast, draft.autocast) is not modelled: the "
-                     "activations above are counted in fp32, and autocast's bf16 copies of the "
-                     "matmul weights (2 bytes a weight, held through the backward) are left out; "
-                     "on small shapes a step under autocast saved 0.77-0.98x the fp32 count, "
-                     "the copies included (docs/results/parallel_grpo.md)")
+    if cfg.draft.autocast:
+        lines.append("\nnote: the draft's mixed precision (draft.autocast) is not modelled: its "
+                     "co-training is counted in fp32, an upper bound (a TTT or block loss under "
+                     "autocast saved 0.91-0.94x the fp32 count on small shapes, "
+                     "docs/results/parallel_grpo.md)")
     return "\n".join(lines)
 
 
