@@ -40,8 +40,10 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
         model, split_layers(cfg.num_layers, num_stages)[stage], stage=stage, num_stages=num_stages)
     params = {p.untyped_storage().data_ptr() for p in part.parameters()}
     saved: dict[int, int] = {}
+    alive = []  # no storage freed while counting, so no address is reused by another
 
     def pack(t):
+        alive.append(t)
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params:
             saved.setdefault(ptr, t.untyped_storage().nbytes())
@@ -75,8 +77,8 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
     (dict(hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=256, vocab_size=120,
           num_layers=3), [90, 40, 10, 60], True, 0.7),  # ragged: the attention's padded layout
 ])
-def test_the_activation_formula_is_what_the_model_saves_for_backward(shape, lengths, kl, temperature,
-                                                                     autocast):
+def test_the_activation_formula_is_what_the_model_saves_for_backward(shape, lengths, kl,
+                                                                     temperature, autocast):
     """In fp32, and under bf16 autocast (bf16 casts of each matmul's input and weight, the
     norms and the loss in fp32)."""
     cfg = ModelConfig(**{"num_layers": 2, "max_seq_len": 256, **shape})
@@ -121,8 +123,10 @@ def ttt_saved_bytes(cfg, lengths: list[int], *, steps: int, group=None, head: in
                      taps={k: torch.randn(T, m.hidden_size) for k in set(draft.tap_layers)})
     params = {p.untyped_storage().data_ptr() for p in draft.parameters()}
     saved: dict[int, int] = {}
+    alive = []  # as in saved_bytes
 
     def pack(t):
+        alive.append(t)
         ptr = t.untyped_storage().data_ptr()
         if ptr not in params and not isinstance(t._base, torch.nn.Parameter):
             saved.setdefault(ptr, t.untyped_storage().nbytes())

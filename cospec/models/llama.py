@@ -41,7 +41,13 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        out = self.weight * x.to(dtype)
+        # Under autocast each matmul that reads this would cast it to bf16 on its own, and
+        # autograd would keep every cast (q, k and v: three copies of one tensor): cast once here
+        # (the same values; docs/results/parallel_grpo.md, "Mixed precision", checks gradients)
+        if torch.is_autocast_enabled(out.device.type):
+            out = out.to(torch.get_autocast_dtype(out.device.type))
+        return out
 
 
 def rope_inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:

@@ -80,7 +80,7 @@ def block_activation_floats(d: ModelConfig, tokens: float, sequences: float, lon
     per_layer = (2 * C + 1) * T + (7 * C + 4 * d.intermediate_size + 2 + H * D) * G * T
     if ring:
         per_layer += 2 * G * Hkv * D * T + G * (2 * Hkv * D + H + H * D) * T
-    else:  # sum over i of the per-position terms: sum (2 i + 4) = G (G + 3), sum (2 i + 6) = G (G + 5)
+    else:  # summed over i: sum (2 i + 4) = G (G + 3), sum (2 i + 6) = G (G + 5)
         per_layer += G * (2 * N * L + 3 * N * H * L * D + 2 * N * H * L * L + L * L / 4
                           + N * H * L + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
     floats += Lyr * per_layer

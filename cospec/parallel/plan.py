@@ -18,12 +18,13 @@ device (no memory, any size) and counted. Then, per rank, in bytes:
 - activations saved for backward (what this implementation saves, counted with
   `cospec.metrics.saved_activations`; `tests/test_plan.py` checks the formula on every stage
   kind and the peak of whole trainer steps), per microbatch of T tokens in N sequences of up to
-  Lmax, in fp32 (bf16 autocast: below): per layer (7C + 4I + 2) T in token layout and (2HD + 2HkvD + H) N Lmax in the
-  attention's padded layout (ring attention under cp: T); per stage (2D + 2) T of RoPE tables and
-  2 T + 2 N Lmax of attention indices; the token ids 2 T on the first stage; on the last the
-  final norm's and the head's inputs (3C + 1) T and the GRPO loss (V + 7) T, 3 V T more with a KL
-  penalty. The peak: a minibatch at a time, its sequences as the trainer splits them (replica,
-  minibatch, pp microbatches balanced in tokens, cp zigzag padding), and under pp the
+  Lmax, in fp32 (bf16 autocast: below): per layer (7C + 4I + 2) T in token layout and
+  (2HD + 2HkvD + H) N Lmax in the attention's padded layout (ring attention under cp: T); per
+  stage (2D + 2) T of RoPE tables and 2 T + 2 N Lmax of attention indices; the token ids 2 T on
+  the first stage; on the last the final norm's and the head's inputs (3C + 1) T and the GRPO
+  loss (V + 7) T, 3 V T more with a KL penalty. The peak: a minibatch at a time, its sequences
+  as the trainer splits them (replica, minibatch, pp microbatches balanced in tokens, cp zigzag
+  padding), and under pp the
   microbatches the schedule holds between their forward and backward. Given the rollouts'
   lengths it is the trainer's peak; at one length for all, ragged rollouts exceed it (rows
   padded to the longest, microbatches of more rows): size with the longest length, which bounded
@@ -48,8 +49,9 @@ as they receive):
   sequence padded to a multiple of 2 cp; for the draft's sampled sequences, at the step's mean
   rate).
 Under bf16 autocast (grpo.autocast) the activations are counted by dtype: the norms, the
-attention's log-sum-exp and the loss in fp32, each matmul's input (its own bf16 cast: 6 C + 4 I
-a token and layer) and the attention's q, k, v, output in bf16 (the ring's output fp32), and the
+attention's log-sum-exp and the loss in fp32, the matmuls' inputs (3 C + 4 I a token and layer:
+the norms cast their output once for q, k, v and for gate, up) and the attention's q, k, v,
+output in bf16 (the ring's output fp32), and the
 bf16 copy autocast makes of every matmul weight for each forward, held until its backward (under
 pp: one copy per microbatch in flight; under FSDP2: of the unsharded weights); the ring's K and V
 travel in bf16 (dK, dV fp32), and a full-vocabulary draft keeps the policy's logits in bf16.
@@ -99,18 +101,18 @@ def activation_bytes(m: ModelConfig, lengths: Sequence[int], *, layers: int, fir
     if not autocast:
         per_layer = (7 * C + 4 * I + 2) * T + (2 * H * D + 2 * Hkv * D + H) * slots
         return FP32 * (layers * per_layer + outside + (3 * C + 1) * T * last + loss)
-    # bf16 autocast: the norms stay fp32 (their inputs, 1 / rms and outputs: (4 C + 2) T), each
-    # matmul saves its own bf16 cast of its input (q, k, v, gate and up each cast the norm's
-    # fp32 output: 6 C T with o_proj's and down_proj's 4 I T) and of its weight (a copy for
-    # every forward, held until its backward); attention in bf16 but its log-sum-exp (and the
-    # ring's output, computed in fp32)
+    # bf16 autocast: the norms stay fp32 (their inputs, 1 / rms and outputs: (4 C + 2) T) and
+    # cast their output to bf16 once for the matmuls that read it (q, k, v; gate, up); each
+    # matmul saves its bf16 input (3 C T with o_proj's, 4 I T in the MLP) and autocast's bf16
+    # copy of its weight (one for every forward, held until its backward); attention in bf16 but
+    # its log-sum-exp (and the ring's output, computed in fp32)
     weights = 2 * C * H * D + 2 * C * Hkv * D + 3 * C * I
     if ring:
         attn_fp32, attn_bf16 = (H * D + H) * slots, (H * D + 2 * Hkv * D) * slots
     else:
         attn_fp32, attn_bf16 = H * slots, (2 * H * D + 2 * Hkv * D) * slots
     fp32 = layers * ((4 * C + 2) * T + attn_fp32) + outside + (2 * C + 1) * T * last + loss
-    bf16 = layers * ((6 * C + 4 * I) * T + attn_bf16 + weights) + (C * T + m.vocab_size * C) * last
+    bf16 = layers * ((3 * C + 4 * I) * T + attn_bf16 + weights) + (C * T + m.vocab_size * C) * last
     return FP32 * fp32 + 2 * bf16
 
 
