@@ -24,7 +24,8 @@ from cospec.metrics.tensor_memory import TensorMemoryPeak
 from cospec.parallel.launch import spawn
 from cospec.parallel.pipeline import build_stage, split_layers
 from cospec.parallel.draft_memory import block_activation_floats, ttt_activation_floats
-from cospec.parallel.plan import activation_bytes, activation_peak_bytes, plan
+from cospec.parallel.activation_memory import activation_bytes, activation_peak_bytes
+from cospec.parallel.plan import plan
 from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
 
 

@@ -24,7 +24,8 @@ from cospec.metrics.saved_activations import SavedActivations
 from cospec.metrics.tensor_memory import TensorMemoryPeak
 from cospec.models.llama import Transformer
 from cospec.parallel.launch import spawn
-from cospec.parallel.plan import activation_peak_bytes, plan
+from cospec.parallel.activation_memory import activation_peak_bytes
+from cospec.parallel.plan import plan
 
 LAYOUTS = {"single": ([], 1), "dp2": (["parallel.dp=2"], 2), "pp2": (["parallel.pp=2"], 2),
            "cp2": (["parallel.cp=2"], 2), "dp2xpp2": (["parallel.dp=2", "parallel.pp=2"], 4)}
