@@ -24,31 +24,22 @@ import sys
 import time
 
 import torch
+from bf16_draft import load  # beside this file: the data file's format
 
-from cospec.draft.ttt import TTTBatch, select_sequences, ttt_loss
+from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft
 
-POSITIONS, LR, MAX_TOKENS = 4, 2e-3, 640
+POSITIONS, LR = 4, 2e-3
 
 
 def batches_of(path: str) -> tuple[dict, list[TTTBatch], list[TTTBatch]]:
-    """The data file's answers in batches of <= MAX_TOKENS tokens: (data, train, held out)."""
-    data = torch.load(path, weights_only=False)
-    whole = [TTTBatch(**b) for b in data["batches"]]
-    out = []
-    for b in whole:
-        cur, used = [], 0
-        for i, n in enumerate(b.sequence_lengths()):
-            if cur and used + n > MAX_TOKENS:
-                out.append(select_sequences(b, cur))
-                cur, used = [], 0
-            cur.append(i)
-            used += n
-        out.append(select_sequences(b, cur))
-    cut = max(1, len(out) // 10)
-    return data, out[:-cut], out[-cut:]
+    """The data file's answers in batches of <= 640 tokens (bf16_draft.py's): (data, train,
+    held out)."""
+    data, batches = load(path)
+    cut = max(1, len(batches) // 10)
+    return data, batches[:-cut], batches[-cut:]
 
 
 def make_draft(data: dict, variant: str):
