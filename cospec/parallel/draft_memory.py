@@ -74,15 +74,15 @@ def block_activation_floats(d: ModelConfig, tokens: float, sequences: float, lon
     a batch of ``tokens`` in ``sequences`` of up to ``longest``: the module docstring's formula,
     ``d`` the draft's config (its num_layers the block's layers), ``steps`` the block positions G,
     ``head`` Vd (0: d.vocab_size); ``ring``: a cp rank's shard, its trunk attention the ring's."""
-    T, N, L, G, Vd = tokens, sequences, longest, steps, head or d.vocab_size
+    T, N, Lm, G, Vd = tokens, sequences, longest, steps, head or d.vocab_size
     C, H, Hkv, D, Lyr = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim, d.num_layers
     floats = (taps * C + C + 2 * G + 2 * D + 2 * G * D + G * C) * T
     per_layer = (2 * C + 1) * T + (7 * C + 4 * d.intermediate_size + 2 + H * D) * G * T
     if ring:
         per_layer += 2 * G * Hkv * D * T + G * (2 * Hkv * D + H + H * D) * T
     else:  # summed over i: sum (2 i + 4) = G (G + 3), sum (2 i + 6) = G (G + 5)
-        per_layer += G * (2 * N * L + 3 * N * H * L * D + 2 * N * H * L * L + L * L / 4
-                          + N * H * L + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
+        per_layer += G * (2 * N * Lm + 3 * N * H * Lm * D + 2 * N * H * Lm * Lm + Lm * Lm / 4
+                          + N * H * Lm + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
     floats += Lyr * per_layer
     per_position = (2 * C + 4 * Vd + 2) * T + 1
     per_position += (3 * C + 1) * T * correction + (2 * C + 4) * T * confidence
