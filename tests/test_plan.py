@@ -217,12 +217,13 @@ def _local_bytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in local)
 
 
-# pp2: the draft taps layer 0 too, which lives on the first stage (TapChannel carries it)
-LAYOUTS = {"dp2": ["parallel.dp=2"], "pp2": ["parallel.pp=2", "draft.tap_layers=[0,1,1]"],
+# pp2-bf16: the draft taps layer 0 too, which lives on the first stage (TapChannel carries it);
+# fp32 pipelines are dp2xpp2's
+LAYOUTS = {"dp2": ["parallel.dp=2"],
+           "pp2-bf16": ["parallel.pp=2", "draft.tap_layers=[0,1,1]", "grpo.autocast=bfloat16"],
            "cp2": ["parallel.cp=2"],
            "cp2-block-bf16": ["parallel.cp=2", "draft.kind=block", "draft.block_layers=2",
                               "grpo.autocast=bfloat16"],
-           "pp2-bf16": ["parallel.pp=2", "grpo.autocast=bfloat16"],
            "dp2xpp2": ["parallel.dp=2", "parallel.pp=2"]}
 SHARED = ["grpo.micro_steps=2", "grpo.kl_coef=0.05", "rollout.speculative=true",
           "draft.mode=cotrain", "rollout.adaptive=false", "parallel.microbatches=2"]
@@ -358,11 +359,11 @@ def trainer_batch(trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,ranks", [("dp2", 2), ("pp2", 2), ("cp2", 2), ("cp2-block-bf16", 2),
-                                           ("pp2-bf16", 2), ("dp2xpp2", 4)])
+@pytest.mark.parametrize("layout,ranks", [("dp2", 2), ("pp2-bf16", 2), ("cp2", 2),
+                                           ("cp2-block-bf16", 2), ("dp2xpp2", 4)])
 def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, ranks):
     results = spawn(_counting_run, ranks, str(tmp_path), layout)
-    if layout == "pp2":  # what stage 0 sent on TapChannel is what the last stage received
+    if layout == "pp2-bf16":  # what stage 0 sent on TapChannel is what the last stage received
         planned = plan(_layout_cfg(layout), **results[1]["plan_of"])[1]
         assert planned.comm["taps"] > 0
         assert results[0]["comm"]["taps_sent"] == pytest.approx(planned.comm["taps"], rel=0.02)
