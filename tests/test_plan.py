@@ -2,9 +2,11 @@
 
 Oracles, all counted on live objects, never derived from the planner's own formulas:
 - activations: the bytes autograd saves for backward in a policy forward plus the GRPO loss, and
-  in each kind of pipeline stage, counted with `torch.autograd.graph.saved_tensors_hooks` (one
-  storage counted once, parameters excluded);
-- a trainer step under dp = 2, pp = 2, cp = 2 and dp = 2 x pp = 2, on every rank: the local bytes
+  in each kind of pipeline stage, in fp32 and under bf16 autocast, and in the EAGLE-3 and block
+  drafts' training, counted with `torch.autograd.graph.saved_tensors_hooks` (one storage
+  counted once, parameters excluded);
+- a trainer step under dp = 2, pp = 2 (bf16 autocast), cp = 2 (EAGLE-3; a block draft under
+  autocast) and dp = 2 x pp = 2, on every rank: the local bytes
   of its parameter, gradient, AdamW and reference shards, the live peak of its saved
   activations (`SavedActivations`) for its own ragged rollouts, and the bytes it received
   through FSDP2's all-gathers and reduce-scatters and the pipeline's transfers, counted by
@@ -80,8 +82,8 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
 ])
 def test_the_activation_formula_is_what_the_model_saves_for_backward(shape, lengths, kl,
                                                                      temperature, autocast):
-    """In fp32, and under bf16 autocast (bf16 casts of each matmul's input and weight, the
-    norms and the loss in fp32)."""
+    """In fp32, and under bf16 autocast (the matmuls' inputs and autocast's weight copies in
+    bf16, the norms and the loss in fp32)."""
     cfg = ModelConfig(**{"num_layers": 2, "max_seq_len": 256, **shape})
     formula = activation_bytes(cfg, lengths, layers=cfg.num_layers, first=True, last=True,
                                kl=kl, autocast=autocast)
