@@ -155,6 +155,28 @@ def test_the_engine_reports_each_whole_step_with_the_tokens_it_kept():
                                                        + st.other_seconds)
 
 
+def test_the_stats_say_where_the_time_went_by_gamma_and_in_switching_drafting_on():
+    torch.manual_seed(0)
+    policy, draft = Transformer(CFG).eval(), Eagle3Draft.from_policy(Transformer(CFG)).eval()
+    ctl = Recorder(3, probe_every=2)
+    engine = SpeculativeEngine(policy, draft, batch_size=3, gamma=3, controller=ctl, stop_ids=(7,))
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9], [10], [11, 12], [13, 14, 15]]
+    out = engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=12),
+                          generator=torch.Generator().manual_seed(0))
+    st, gammas = out.stats, [g for _, g, *_ in ctl.steps]
+    by_gamma = {}
+    for _, g, seconds, *_ in ctl.steps:
+        by_gamma[g] = by_gamma.get(g, 0.0) + seconds
+    assert st.seconds_by_gamma.keys() == by_gamma.keys()
+    assert all(st.seconds_by_gamma[g] == pytest.approx(by_gamma[g]) for g in by_gamma)
+    switch_ons = [i for i in range(1, len(gammas)) if gammas[i] > 0 and gammas[i - 1] == 0]
+    assert switch_ons, f"the probes should switch drafting on at least once: {gammas}"
+    assert st.switch_on_steps == len(switch_ons)
+    assert st.switch_on_seconds == pytest.approx(sum(ctl.steps[i][2] for i in switch_ons))
+    # every row the draft is called for is first prefilled into it, inside the draft's seconds
+    assert 0 < st.draft_prefill_seconds <= st.draft_seconds
+
+
 def test_while_drafting_a_plain_step_is_taken_now_and_then_to_keep_its_cost_measured():
     ctl = AdaptiveGamma(4, forward_costs(), probe_every=4)
     for _ in range(50):

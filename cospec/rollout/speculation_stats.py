@@ -19,6 +19,11 @@ class SpeculationStats:
         (those up to the first rejection) and accepted; their ratio is the row's acceptance.
     gamma_counts: steps taken at each gamma. Seconds: draft calls, verify forwards (or plain decode
     forwards at G = 0), and everything else (prefill, sampling, bookkeeping).
+    seconds_by_gamma: whole steps' seconds (draft, verify and bookkeeping; refills excluded) by
+        the gamma chosen for them. switch_on_steps / switch_on_seconds: of the drafting steps,
+        those that followed a step at G = 0 of the same call; their catch-up reads every entry the
+        plain steps before them left unseen (the price of switching speculation on).
+        draft_prefill_seconds: the draft's prefill of rows it had not seen (inside draft_seconds).
     plain_decode_estimate_seconds: what plain decoding of the same tokens would have cost by the
         cost model (each step's tau rows-tokens at verify(N, 1) per token); None without a cost model.
     overshoot_by_position[j], over the drafted tokens x at position j+1 of every overshoot_every-th
@@ -38,6 +43,10 @@ class SpeculationStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
     other_seconds: float = 0.0
+    seconds_by_gamma: dict[int, float] = field(default_factory=dict)
+    switch_on_steps: int = 0
+    switch_on_seconds: float = 0.0
+    draft_prefill_seconds: float = 0.0
     plain_decode_estimate_seconds: float | None = None
     overshoot_by_position: list[dict] = field(default_factory=list)
 
@@ -56,6 +65,13 @@ class SpeculationStats:
             for j in range(judged):
                 self.reached[j] += 1
                 self.accepted[j] += j < k
+
+    def add_step_seconds(self, gamma: int, seconds: float, switched_on: bool) -> None:
+        """A whole step at `gamma` took `seconds`; switched_on: it drafted after a plain step."""
+        self.seconds_by_gamma[gamma] = self.seconds_by_gamma.get(gamma, 0.0) + seconds
+        if switched_on:
+            self.switch_on_steps += 1
+            self.switch_on_seconds += seconds
 
     def set_rows(self, row_counts: list[list[int]]) -> None:
         """The per-row figures from each completion's counts (`add_step`), in prompt order."""

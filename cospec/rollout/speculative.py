@@ -140,6 +140,7 @@ class SpeculativeEngine(GenerationEngine):
         self.row_counts: dict[int, list[int]] = {}  # prompt index -> see _refill
         done: list[Completion | None] = [None] * len(prompts)
         self.num_forwards = 0
+        last_gamma = None  # of this call's previous step
         while queue or any(s is not None for s in self.slots):
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
@@ -158,7 +159,10 @@ class SpeculativeEngine(GenerationEngine):
             self._graphs_before = graphs_called(self)
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             self.num_forwards += 1
-            other_s = synced_time(self.seq_BS) - t0 - draft_s - verify_s
+            step_s = synced_time(self.seq_BS) - t0
+            other_s = step_s - draft_s - verify_s
+            self.stats.add_step_seconds(gamma, step_s, gamma > 0 and last_gamma == 0)
+            last_gamma = gamma
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             self.stats.other_seconds += other_s
@@ -279,6 +283,7 @@ class SpeculativeEngine(GenerationEngine):
         engine's steps (no draft work for rows that may never be drafted for), and not in the
         catch-up, which is padded to its widest row (a prompt there would make every row pay)."""
         device = self.seq_BS.device
+        t0 = synced_time(self.seq_BS)
         rows_N = torch.tensor(rows, device=device)
         lengths_N = torch.tensor([self.n[s] for s in rows], device=device)
         P = max(self.n[s] for s in rows)
@@ -293,6 +298,7 @@ class SpeculativeEngine(GenerationEngine):
                          lengths_N)
         for s in rows:
             self.e[s] = self.n[s]
+        self.stats.draft_prefill_seconds += synced_time(self.seq_BS) - t0
 
     def _draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
         """Catch the draft up on every unseen entry, then draft `gamma` tokens per row.
