@@ -87,6 +87,41 @@ def test_the_step_that_switches_drafting_on_is_not_taken_for_the_cost_of_specula
     assert ctl.correction(1, 4) == pytest.approx(1.5)
 
 
+def test_after_plain_steps_drafting_must_pay_for_its_catch_up_in_its_first_step():
+    """A draft that has not read a row's last 200 entries reads them before it drafts; at 8 rows
+    that costs more than a step of speculation gains, so the controller stays plain. Caught up
+    (one plain step: the mirror probe's), the same draft pays; amid drafting steps the catch-up
+    is a step's usual one, priced in c(N, G)."""
+    ctl = good_draft_controller()
+    assert ctl.last_gamma == 0
+    assert ctl.choose(8, catch_up=2) > 0
+    assert ctl.choose(8, catch_up=200) == 0
+    ctl.last_gamma = 4
+    assert ctl.choose(8, catch_up=200) > 0
+
+
+def test_a_draft_call_between_and_past_the_measured_widths_costs_linearly_in_its_width():
+    """A call's fixed cost is paid once: a 60-entry catch-up of one row costs its 5-entry
+    cost plus 55 entries at the per-entry slope, not 12 times the 5-entry cost."""
+    cost = CostModel()
+    for t in (1, 2, 3, 4, 5, 16):
+        cost.observe_draft(1, t, 0.003 + 0.0001 * t)
+    assert cost.draft_cost(1, 10) == pytest.approx(0.003 + 0.0001 * 10)  # between 5 and 16
+    assert cost.draft_cost(1, 60) == pytest.approx(0.003 + 0.0001 * 60)  # past 16
+    only_one = CostModel()
+    only_one.observe_draft(1, 4, 0.004)
+    assert only_one.draft_cost(1, 8) == pytest.approx(0.008)  # no slope known: proportional
+
+
+def test_no_probe_where_its_catch_up_outweighs_what_even_a_perfect_draft_gains():
+    ctl = AdaptiveGamma(4, forward_costs(), probe_every=4)
+    for _ in range(50):
+        ctl.observe_acceptance(4, [0] * 8)  # speculation off: only probes draft
+    assert [ctl.choose(8, catch_up=2) for _ in range(4)] == [0, 0, 0, 4]
+    # at 8 rows, reading 200 entries a row costs 6.5 plain steps: a probe then would not pay
+    assert [ctl.choose(8, catch_up=200) for _ in range(16)] == [0] * 16
+
+
 def test_one_stalled_step_moves_the_correction_by_at_most_a_clamped_amount():
     ctl = good_draft_controller()
     ctl.last_gamma = 4  # amid speculative steps
@@ -128,7 +163,11 @@ class Recorder(AdaptiveGamma):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.steps = []
+        self.steps, self.catch_ups = [], []
+
+    def choose(self, n, catch_up=0):
+        self.catch_ups.append(catch_up)
+        return super().choose(n, catch_up)
 
     def observe_step(self, n, gamma, seconds, emitted, kept):
         self.steps.append((n, gamma, seconds, emitted, kept))
@@ -148,6 +187,8 @@ def test_the_engine_reports_each_whole_step_with_the_tokens_it_kept():
     assert {g for _, g, *_ in ctl.steps} == set(st.gamma_counts)
     assert all(0 < kept <= emitted for *_, emitted, kept in ctl.steps)
     assert sum(e for *_, e, _ in ctl.steps) == st.step_tokens  # emitted: k + 1 per row
+    # the first choice knows the draft must read every row whole: prompt and first token
+    assert ctl.catch_ups[0] == max(len(p) for p in prompts[:3]) + 1
     # kept tokens: every response token but each row's first (sampled at its prefill)
     assert sum(k for *_, k in ctl.steps) == out.num_tokens - len(prompts)
     # the step's seconds are its draft + verify + other seconds (the refills are apart)

@@ -252,7 +252,7 @@ def synthetic_costs(batch_sizes=(1, 8, 64), gamma_max=4):
 class AlwaysPlain(AdaptiveGamma):
     """A controller that never drafts (what the adaptive one does where speculation cannot pay)."""
 
-    def choose(self, n: int) -> int:
+    def choose(self, n: int, catch_up: int = 0) -> int:
         return 0
 
 

@@ -25,8 +25,9 @@ each row r (the head's estimate of a_i for that row):
 spent being the drafting time already paid (DSpark's confidence-scheduled verification).
 
 Costs come from `CostModel`: a table of measured seconds per (N, T), filled by a short calibration
-(`calibrate` in `cospec.rollout.calibration`) and kept current by an exponential moving average of
-every step's measured time; N between measured points is interpolated linearly. Acceptance is a
+(`calibrate` in `cospec.rollout.calibration`; draft calls also as wide as a switch-on's catch-up)
+and kept current by an exponential moving average of every step's measured time; N and T between
+measured points are interpolated linearly. Acceptance is a
 decayed count per position, so it follows a draft that co-training improves; while G = 0 nothing is
 measured, so after ``probe_every`` steps at G = 0 the controller drafts once (G = gamma_max), and
 after twice as many the next time, up to 16 times as many, while speculation stays off. Mirrored:
@@ -110,7 +111,8 @@ class CostModel:
         return self._interpolate(self.verify.get(t, {}), n)
 
     def draft_cost(self, n: int, t: int = 1) -> float | None:
-        """A call of t entries per row; past the widest measured t, linear in t from there."""
+        """A call of t entries per row; between measured t linear in t, past the widest measured
+        t along the slope of the two widest (`_by_length`)."""
         return self._by_length(self.draft, n, t)
 
     def block_cost(self, n: int, g: int) -> float | None:
@@ -128,14 +130,27 @@ class CostModel:
         return first + (rest if block else (gamma - 1) * rest)
 
     def _by_length(self, tables: dict[int, dict[int, float]], n: int, t: int) -> float | None:
-        """tables[t] at n rows; past the longest measured t, linear in t from there."""
-        if not tables:
+        """tables[t] at n rows. An unmeasured t: linear in t between the measured t on each side;
+        past the longest, along the slope between the two longest (a call's fixed cost is not
+        scaled up with it: a 60-entry catch-up of one row costs about what a 5-entry one does,
+        not 12 times as much), never below the longest's cost."""
+        lengths = sorted(t_ for t_, table in tables.items() if table)
+        if not lengths:
             return None
-        longest = max(tables)
-        if t > longest:
-            base = self._interpolate(tables[longest], n)
-            return None if base is None else base * t / longest
-        return self._interpolate(tables.get(t, {}), n)
+        if t in tables:
+            return self._interpolate(tables[t], n)
+        i = bisect.bisect_left(lengths, t)
+        if i == 0:
+            return self._interpolate(tables[lengths[0]], n)
+        if i == len(lengths):  # past the longest
+            if len(lengths) == 1:
+                base = self._interpolate(tables[lengths[-1]], n)
+                return base * t / lengths[-1]
+            i -= 1
+        lo, hi = lengths[i - 1], lengths[i]
+        c_lo, c_hi = self._interpolate(tables[lo], n), self._interpolate(tables[hi], n)
+        slope = max((c_hi - c_lo) / (hi - lo), 0.0)
+        return c_lo + slope * (t - lo) if t < hi else c_hi + slope * (t - hi)
 
 
 def expected_tokens(accept_by_position: list[float], gamma: int) -> float:
@@ -193,14 +208,16 @@ class AdaptiveGamma:
                 self.reached[j] += 1
                 self.accepted[j] += j < k
 
-    def forwards_cost(self, n: int, gamma: int, accept: list[float] | None = None) -> float | None:
+    def forwards_cost(self, n: int, gamma: int, accept: list[float] | None = None,
+                      catch_up: int = 0) -> float | None:
         """cost(N, G): the step's forwards (module docstring); None while one is unmeasured.
-        accept: the a_j to assume (default the current estimate)."""
+        accept: the a_j to assume (default the current estimate). catch_up: entries per row the
+        draft must read first when that is more than E(G) (a switch-on after plain steps)."""
         verify = self.cost.verify_cost(n, gamma + 1)
         draft = 0.0
         if gamma > 0:
-            tokens = expected_tokens(accept or self.acceptance(), gamma)
-            draft = self.cost.draft_step_cost(n, gamma, math.ceil(tokens), self.block_drafter)
+            tokens = math.ceil(expected_tokens(accept or self.acceptance(), gamma))
+            draft = self.cost.draft_step_cost(n, gamma, max(tokens, catch_up), self.block_drafter)
         if verify is None or draft is None:
             return None
         return verify + draft
@@ -225,11 +242,13 @@ class AdaptiveGamma:
         speculative = sum(self.emitted[1:])
         return sum(self.kept[1:]) / speculative if gamma > 0 and speculative else 1.0
 
-    def throughput(self, n: int, gamma: int, accept: list[float] | None = None) -> float | None:
+    def throughput(self, n: int, gamma: int, accept: list[float] | None = None,
+                   catch_up: int = 0) -> float | None:
         """Expected kept tokens per second of a whole step of n rows with `gamma`; None while a
-        cost is unknown. accept: the a_j to assume (default the current estimate)."""
+        cost is unknown. accept: the a_j to assume (default the current estimate); catch_up: as
+        `forwards_cost`'s."""
         accept = accept or self.acceptance()
-        seconds = self.forwards_cost(n, gamma, accept)
+        seconds = self.forwards_cost(n, gamma, accept, catch_up)
         if seconds is None:
             return None
         tokens = expected_tokens(accept, gamma) * self.kept_fraction(gamma)
@@ -255,22 +274,27 @@ class AdaptiveGamma:
         ratio = min(max(seconds / chosen[2], 0.5), 3.0)
         self.cost.average_into(self.step_correction.setdefault(gamma, {}), n, ratio)
 
-    def choose(self, n: int) -> int:
+    def choose(self, n: int, catch_up: int = 0) -> int:
         """The gamma for the next step of n rows (may be a probe; see the module docstring).
+        catch_up: the widest run of entries a row's draft has not read (a row it never saw: its
+        whole length), which a drafting step reads first; 0 when unknown.
 
-        Speculation must beat plain decoding by ``margin`` in the model: switching it on costs a
-        catch-up the model leaves out (the draft reads every entry accepted while it was off), and
-        near break-even the model's errors decide, so there plain decoding is the safe side. A probe
-        happens only where a perfect draft would pay: at batch sizes where even acceptance 1 loses,
-        knowing the acceptance better cannot change the choice.
+        Speculation must beat plain decoding by ``margin`` in the model, near break-even the
+        model's errors decide, so there plain decoding is the safe side. After a plain step,
+        drafting is priced with the catch-up it would read (every entry since the draft last ran):
+        the first drafting step must pay for it itself ("Switching on", docs/design.md), else a
+        controller that flips near the margin pays one catch-up per flip. A probe happens only
+        where a perfect draft would pay: at batch sizes where even acceptance 1 loses, knowing the
+        acceptance better cannot change the choice.
         """
-        best = self._choose(n)
+        switch_on = catch_up if self.last_gamma == 0 else 0
+        best = self._choose(n, switch_on)
         self.last_choice = (n, best, self.forwards_cost(n, best))
         return best
 
-    def _choose(self, n: int) -> int:
+    def _choose(self, n: int, catch_up: int = 0) -> int:
         accept = self.acceptance()  # once: choose runs every step
-        rates = {g: self.throughput(n, g, accept) for g in range(self.gamma_max + 1)}
+        rates = {g: self.throughput(n, g, accept, catch_up) for g in range(self.gamma_max + 1)}
         known = {g: r for g, r in rates.items() if r is not None}
         if 0 not in known or len(known) == 1:
             return max(known, key=known.get) if known else self.gamma_max
@@ -282,7 +306,7 @@ class AdaptiveGamma:
             self.steps_at_zero += 1
             if self.steps_at_zero >= self.probe_interval:
                 self.steps_at_zero = 0
-                if self._could_pay(n, known[0]):
+                if self._could_pay(n, known[0], catch_up):
                     # A probe costs a catch-up over every step since the last draft, so while
                     # probes keep finding speculation off, they space out: x2 each, up to 16 x.
                     self.probe_interval = min(2 * self.probe_interval, 16 * self.probe_every)
@@ -300,10 +324,13 @@ class AdaptiveGamma:
                 return 0
         return best
 
-    def _could_pay(self, n: int, plain_rate: float) -> bool:
-        """Whether a draft accepted at every position would beat plain decoding by the margin."""
+    def _could_pay(self, n: int, plain_rate: float, catch_up: int = 0) -> bool:
+        """Whether a draft accepted at every position would beat plain decoding by the margin in
+        the probe's own step, its catch-up included (a probe at 64 rows after a long plain run
+        reads every row's whole gap: a dozen plain steps' worth on the default policy)."""
         perfect = [1.0] * self.gamma_max
-        optimistic = max(self.throughput(n, g, perfect) or 0.0 for g in range(1, self.gamma_max + 1))
+        optimistic = max(self.throughput(n, g, perfect, catch_up) or 0.0
+                         for g in range(1, self.gamma_max + 1))
         return optimistic >= (1 + self.margin) * plain_rate
 
     def verify_length(self, n: int, confidence_rows: list[list[float]], spent: float) -> int:

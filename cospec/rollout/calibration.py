@@ -3,7 +3,8 @@
 # N rows, T tokens (entries) per row, G = gamma, B batch size
 
 Before a speculative engine first generates with an adaptive controller, `calibrate` times
-verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens, so that the
+verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens (draft calls also
+at T = 8..64, the catch-up of a drafting step after plain ones), so that the
 controller's first choices rest on measurements (`cospec.rollout.adaptive`); the online averages
 refine the table during generation. `synced_time` is the clock both this and the engine's step
 timing read.
@@ -54,7 +55,7 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
                 sample(probs_from_logits(logits.reshape(N * T, -1), 1.0), scratch_rng).tolist()
                 best = min(best, synced_time(engine.seq_BS) - t0)
             cost.observe_verify(N, T, best)
-        for T in range(1, G + 2):
+        for T in draft_widths(G, engine.capacity - context):
             best = float("inf")
             stored = (None if engine.feat_BSF is None
                       else torch.zeros(N, T, engine.feat_BSF.shape[-1], device=device,
@@ -78,6 +79,13 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
             _calibrate_block(engine, N, rows_t, context, repeats, scratch_rng)
     engine.cache.reset()
     engine.draft_cache.reset()
+
+
+def draft_widths(gamma: int, room: int) -> list[int]:
+    """The draft call widths calibrated: 1..G+1 (a step's catch-up and single-entry calls), then
+    8, 16, .. up to 64 entries (a switch-on's catch-up over plain steps), those that fit ``room``."""
+    wide = [w for w in (8, 16, 32, 64) if w > gamma + 1]
+    return [w for w in list(range(1, gamma + 2)) + wide if w <= room]
 
 
 def _calibrate_block(engine, N, rows_t, context, repeats, generator) -> None:

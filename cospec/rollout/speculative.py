@@ -155,7 +155,8 @@ class SpeculativeEngine(GenerationEngine):
             # The step's own time (no refill: prefill cost does not depend on gamma, and counting
             # it would make every gamma look alike to the controller).
             t0 = synced_time(self.seq_BS)
-            gamma = self.controller.choose(len(active)) if self.controller else self.gamma
+            gamma = (self.controller.choose(len(active), self._catch_up_entries(active))
+                     if self.controller else self.gamma)
             self._graphs_before = graphs_called(self)
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             self.num_forwards += 1
@@ -174,6 +175,11 @@ class SpeculativeEngine(GenerationEngine):
                                              self._emitted, self._kept)
         self.stats.set_rows([self.row_counts[i] for i in range(len(prompts))])
         return done, self.num_forwards
+
+    def _catch_up_entries(self, active) -> int:
+        """The widest catch-up a drafting step would read now (a row the draft never saw: its
+        whole length, fed by `_draft_prefill`); host-side counts, no device read."""
+        return max(self.n[s] - self.e[s] + 1 for s in active)
 
     def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
         """Prefill prompts into free slots; their first token is sampled from the prefill."""

@@ -1,0 +1,96 @@
+"""Adaptive speculation with and without pricing the switch-on's catch-up, beside plain decoding,
+side by side in one run (`python docs/results/worked/adaptive_switch_on.py 1,4,16,64 [JSON]`, from
+the repository root, with the default SFT policy and EAGLE-3 draft in runs/default: `cospec
+draft-train` makes them).
+
+The bench's prompts and seeds (`cospec bench rollout`: 2B prompts, at least 16, of the default
+task mix; one warm-up, then 3 repeats interleaved, a new seed each), gamma 4. "unpriced" is the
+controller before the switch-on pricing: its engine reports a catch-up of 0, so a drafting step
+after plain ones is rated like any other. Per method: tokens/s over plain's, and where the time
+went (whole steps by gamma, the switch-on steps, the draft's prefills of new rows)."""
+
+import json
+import sys
+
+import torch
+
+from cospec.bench.rollout import Timer, task_prompts
+from cospec.config import SamplingConfig, resolve
+from cospec.data.prompts import TaskData
+from cospec.data.tokenizer import CharTokenizer
+from cospec.models.draft_checkpoint import load_draft
+from cospec.models.hf_checkpoint import load_hf
+from cospec.rollout.adaptive import AdaptiveGamma
+from cospec.rollout.engine import GenerationEngine
+from cospec.rollout.speculative import SpeculativeEngine
+
+
+class UnpricedEngine(SpeculativeEngine):
+    """The controller is told no catch-up: switch-ons are rated like any drafting step."""
+
+    def _catch_up_entries(self, active) -> int:
+        return 0
+
+
+def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int = 4) -> None:
+    cfg = resolve("default", None, ["out_dir=runs/default"])
+    policy, draft = load_hf("runs/default/sft").eval(), load_draft("runs/default/draft").eval()
+    data = TaskData.from_config(cfg.task, CharTokenizer())
+    s = cfg.sampling
+    sampling = SamplingConfig(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p,
+                              max_new_tokens=s.max_new_tokens)
+    stops = data.tokenizer.stop_ids
+    rows = []
+    for B in batch_sizes:
+        prompts = task_prompts(cfg, max(2 * B, 16), data=data)
+        engines = {
+            "plain": GenerationEngine(policy, batch_size=B, stop_ids=stops),
+            "unpriced": UnpricedEngine(policy, draft, batch_size=B, gamma=gamma, stop_ids=stops,
+                                       controller=AdaptiveGamma(gamma)),
+            "priced": SpeculativeEngine(policy, draft, batch_size=B, gamma=gamma, stop_ids=stops,
+                                        controller=AdaptiveGamma(gamma)),
+        }
+        timers = {k: Timer() for k in engines}
+        with torch.inference_mode():
+            for e in engines.values():
+                e.generate(prompts[:B], sampling, generator=torch.Generator().manual_seed(0))
+            for r in range(repeats):
+                for k, e in engines.items():
+                    timers[k].add(e.generate(prompts, sampling,
+                                             generator=torch.Generator().manual_seed(1 + r)))
+        row = {"batch_size": B, "num_prompts": len(prompts),
+               "plain_tok_s": timers["plain"].tok_s, "plain_seconds": timers["plain"].seconds}
+        for k in ("unpriced", "priced"):
+            stats = [res.stats for res in timers[k].results]
+            by_gamma, counts = {}, {}
+            for st in stats:
+                for g, sec in st.seconds_by_gamma.items():
+                    by_gamma[g] = by_gamma.get(g, 0.0) + sec
+                for g, c in st.gamma_counts.items():
+                    counts[g] = counts.get(g, 0) + c
+            row[k] = {"speedup": timers[k].tok_s / timers["plain"].tok_s,
+                      "seconds": timers[k].seconds,
+                      "gamma_counts": {str(g): c for g, c in sorted(counts.items())},
+                      "seconds_by_gamma": {str(g): v for g, v in sorted(by_gamma.items())},
+                      "switch_on_steps": sum(st.switch_on_steps for st in stats),
+                      "switch_on_seconds": sum(st.switch_on_seconds for st in stats),
+                      "draft_prefill_seconds": sum(st.draft_prefill_seconds for st in stats)}
+        rows.append(row)
+        print(f"B{B}: plain {row['plain_tok_s']:.0f} tok/s ({row['plain_seconds']:.1f} s)")
+        for k in ("unpriced", "priced"):
+            r = row[k]
+            print(f"  {k:>8}: {r['speedup']:.3f}x ({r['seconds']:.1f} s), steps by gamma "
+                  f"{r['gamma_counts']}, seconds by gamma "
+                  f"{ {g: round(v, 2) for g, v in r['seconds_by_gamma'].items()} }, "
+                  f"{r['switch_on_steps']} switch-ons {r['switch_on_seconds']:.2f} s, "
+                  f"draft prefills {r['draft_prefill_seconds']:.2f} s")
+    if out:
+        meta = {"threads": torch.get_num_threads(), "repeats": repeats, "gamma": gamma,
+                "command": "python docs/results/worked/adaptive_switch_on.py "
+                           + ",".join(map(str, batch_sizes))}
+        with open(out, "w") as f:
+            json.dump({"meta": meta, "results": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main([int(b) for b in sys.argv[1].split(",")], sys.argv[2] if len(sys.argv) > 2 else None)
