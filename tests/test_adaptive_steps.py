@@ -78,8 +78,8 @@ def test_a_step_the_controller_did_not_choose_does_not_move_the_correction():
 
 
 def test_the_step_that_switches_drafting_on_is_not_taken_for_the_cost_of_speculating():
-    """Its catch-up covers every plain step before it: a price of switching, which the margin
-    covers. Counted, it would keep speculation off after every probe."""
+    """Its catch-up covers every plain step before it: a price of switching, which the choice
+    prices when it switches on. Counted, it would keep speculation off after every probe."""
     ctl = good_draft_controller()
     assert take_steps(ctl, 1, 1, slowdown=3.0) == [4]  # after plain steps (none yet)
     assert ctl.step_correction == {}

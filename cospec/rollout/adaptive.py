@@ -42,7 +42,8 @@ E(G)), rows refilled while the draft was off are prefilled into it when drafting
 tokens drafted past a row's stop token are thrown away. So each step's wall time S (choice to
 bookkeeping, refills excluded) and its kept tokens K of the E emitted are observed too (S not for
 a step that switches drafting on after plain steps: its catch-up over them is the price of
-switching, which the margin covers), and the choice uses
+switching, priced in the choice instead: docs/design.md, "Switching speculation on"), and the
+choice uses
     rate(N, G) = N * E(G) * f(G) / (cost(N, G) * c(N, G)),
 c(N, G) = an exponential moving average of S / cost(N, G) over the steps taken at G with ~N rows
 (1 until one is; at an unmeasured G >= 1 the mean of the measured G >= 1 at that N), and
@@ -282,8 +283,8 @@ class AdaptiveGamma:
         Speculation must beat plain decoding by ``margin`` in the model, near break-even the
         model's errors decide, so there plain decoding is the safe side. After a plain step,
         drafting is priced with the catch-up it would read (every entry since the draft last ran):
-        the first drafting step must pay for it itself ("Switching on", docs/design.md), else a
-        controller that flips near the margin pays one catch-up per flip. A probe happens only
+        the first drafting step must pay for it itself (docs/design.md, "Switching speculation
+        on"), else a controller that flips near the margin pays one catch-up per flip. A probe happens only
         where a perfect draft would pay: at batch sizes where even acceptance 1 loses, knowing the
         acceptance better cannot change the choice.
         """
@@ -327,7 +328,7 @@ class AdaptiveGamma:
     def _could_pay(self, n: int, plain_rate: float, catch_up: int = 0) -> bool:
         """Whether a draft accepted at every position would beat plain decoding by the margin in
         the probe's own step, its catch-up included (a probe at 64 rows after a long plain run
-        reads every row's whole gap: a dozen plain steps' worth on the default policy)."""
+        reads every row's whole gap: 4-5 plain steps' worth on the default policy)."""
         perfect = [1.0] * self.gamma_max
         optimistic = max(self.throughput(n, g, perfect, catch_up) or 0.0
                          for g in range(1, self.gamma_max + 1))
