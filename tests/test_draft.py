@@ -90,6 +90,25 @@ def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy):
                     step_logits, h = out[0, -1], state[0, -1]
 
 
+def test_a_catch_up_computes_the_head_only_at_each_rows_last_entry(policy):
+    """The engine draws q_1 from each row's last caught-up entry: logits there equal the full
+    call's, and the cache and hidden states are written as by the full call."""
+    torch.manual_seed(2)
+    draft = Eagle3Draft.from_policy(policy).eval()
+    drafter = make_drafter(draft)
+    width = torch.tensor([6, 1, 4])
+    tokens = torch.randint(0, CFG.vocab_size, (3, 6))
+    feats = torch.randn(3, 6, CFG.hidden_size)
+    a, b = drafter.new_cache(3, 16), drafter.new_cache(3, 16)
+    full, h_full = drafter(a, tokens, feats, None, width)
+    last, h_last = drafter(b, tokens, feats, None, width, logits_positions_N=width - 1)
+    assert last.shape == (3, 1, CFG.vocab_size)
+    torch.testing.assert_close(last[:, 0], full[torch.arange(3), width - 1])
+    torch.testing.assert_close(h_last, h_full, atol=0, rtol=0)
+    assert torch.equal(a.lengths_B, b.lengths_B)
+    assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
 def test_ttt_loss_falls_on_a_fixed_policy_and_never_reaches_the_policy():
     torch.manual_seed(2)
     policy = Transformer(CFG)

@@ -205,11 +205,13 @@ class Eagle3Draft(TappedDraft):
 
     def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
                 positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,
-                num_valid_B: Tensor | None = None,
-                attn_fn: AttentionCallable | None = None) -> DraftOutput:
+                num_valid_B: Tensor | None = None, attn_fn: AttentionCallable | None = None,
+                logits_positions_B: Tensor | None = None) -> DraftOutput:
         """One draft step for T entries per row (the same three uses as the policy's forward:
         packed, KV-cache decoding with per-row lengths, several new entries per row).
-        attn_fn: this call's attention (default the module's)."""
+        attn_fn: this call's attention (default the module's). logits_positions_B: int [B], the
+        one entry of each row whose logits are wanted (logits [B, 1, V]; hidden stays [B, T, C]):
+        a catch-up draws from its last entry only, and the head is as dear as the layer."""
         if feat_BTC.shape[:2] != tokens_BT.shape or feat_BTC.shape[-1] != self.config.hidden_size:
             raise ValueError(f"draft feature must be [B, T, {self.config.hidden_size}] for tokens "
                              f"{tuple(tokens_BT.shape)}, got {tuple(feat_BTC.shape)}")
@@ -223,4 +225,6 @@ class Eagle3Draft(TappedDraft):
             k, v = kv_cache.update(0, k, v, cache_rows, ctx.cache_used)
             kv_cache.advance(tokens_BT.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
         h = layer.finish(feat_BTC, ctx.attn_fn(q, k, v, ctx.layout))
-        return DraftOutput(logits=self.lm_head(self.norm(h)), hidden=h)
+        head_in = h if logits_positions_B is None else \
+            h[torch.arange(h.shape[0], device=h.device), logits_positions_B][:, None]
+        return DraftOutput(logits=self.lm_head(self.norm(head_in)), hidden=h)

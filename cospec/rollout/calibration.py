@@ -69,9 +69,12 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
                     engine.drafter.add_context(engine.draft_cache, engine.drafter.project(stored),
                                                rows_t, T)
                 else:
+                    # the head at the last entry only, as a catch-up (T = 1: a one-entry step)
+                    last = {} if T == 1 else {"logits_positions_N": torch.full((N,), T - 1,
+                                                                               device=device)}
                     logits, _ = engine.drafter(engine.draft_cache,
                                                torch.full((N, T), 4, device=device),
-                                               engine.drafter.project(stored), rows_t)
+                                               engine.drafter.project(stored), rows_t, **last)
                     sample(probs_from_logits(logits[:, -1], 1.0), scratch_rng)  # a step's draw
                 best = min(best, synced_time(engine.seq_BS) - t0)
             cost.observe_draft(N, T, best)

@@ -301,7 +301,7 @@ class SpeculativeEngine(GenerationEngine):
             self.drafter.add_context(self.draft_cache, feats, rows_N, lengths_N)
         else:
             self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NP], feats, rows_N,
-                         lengths_N)
+                         lengths_N, logits_positions_N=lengths_N - 1)  # logits unused: one a row
         for s in rows:
             self.e[s] = self.n[s]
         self.stats.draft_prefill_seconds += synced_time(self.seq_BS) - t0
@@ -325,10 +325,11 @@ class SpeculativeEngine(GenerationEngine):
         if self.drafter.parallel:
             return self._draft_block(active, rows_t, rows_N, n_N, width_N, feats, gamma, sampling,
                                      generator)
+        # The head only at each row's last entry: the one q_1 is drawn from.
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
-                                     rows_t, width_N)
+                                     rows_t, width_N, logits_positions_N=width_N - 1)
         last = torch.arange(len(active), device=device), width_N - 1
-        logits_NV, state_NC = logits[last], None if state is None else state[last]
+        logits_NV, state_NC = logits[:, 0], None if state is None else state[last]
         self._single_steps_start = synced_time(self.seq_BS)  # the catch-up's width varies; steps 2.. do not
         drafts, qs, ids = [], [], self.draft_vocab_ids
         for j in range(gamma):
