@@ -122,6 +122,23 @@ def test_no_probe_where_its_catch_up_outweighs_what_even_a_perfect_draft_gains()
     assert [ctl.choose(8, catch_up=200) for _ in range(16)] == [0] * 16
 
 
+def test_only_calibrated_catch_up_widths_are_refined_online():
+    """A catch-up as wide as no calibrated call (a switch-on after many plain steps) is priced
+    from the calibrated widths: a table begun by one online measurement would hold one batch
+    size, and be read for every other."""
+    torch.manual_seed(0)
+    policy, draft = Transformer(CFG).eval(), Eagle3Draft.from_policy(Transformer(CFG)).eval()
+    ctl = AdaptiveGamma(3, probe_every=2)
+    engine = SpeculativeEngine(policy, draft, batch_size=3, gamma=3, controller=ctl, stop_ids=(7,))
+    engine.generate([[1, 2, 3], [4, 5]], SamplingConfig(temperature=1.0, max_new_tokens=2))
+    calibrated = set(ctl.cost.draft)
+    assert {1, 2, 3, 4, 16} <= calibrated  # 1..G+1 and a wide one (64 does not fit 64 slots)
+    prompts = [[1 + i % 40] * (5 + 3 * i) for i in range(6)]  # long prompts: wide catch-ups
+    engine.generate(prompts, SamplingConfig(temperature=1.0, max_new_tokens=12),
+                    generator=torch.Generator().manual_seed(0))
+    assert set(ctl.cost.draft) == calibrated
+
+
 def test_one_stalled_step_moves_the_correction_by_at_most_a_clamped_amount():
     ctl = good_draft_controller()
     ctl.last_gamma = 4  # amid speculative steps

@@ -4,7 +4,7 @@
 
 Before a speculative engine first generates with an adaptive controller, `calibrate` times
 verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens (draft calls also
-at T = 8..64, the catch-up of a drafting step after plain ones), so that the
+at T = 16 and 64, the catch-up of a drafting step after plain ones), so that the
 controller's first choices rest on measurements (`cospec.rollout.adaptive`); the online averages
 refine the table during generation. `synced_time` is the clock both this and the engine's step
 timing read.
@@ -86,8 +86,9 @@ def calibrate(engine, *, context: int = 32, repeats: int = 2) -> None:
 
 def draft_widths(gamma: int, room: int) -> list[int]:
     """The draft call widths calibrated: 1..G+1 (a step's catch-up and single-entry calls), then
-    8, 16, .. up to 64 entries (a switch-on's catch-up over plain steps), those that fit ``room``."""
-    wide = [w for w in (8, 16, 32, 64) if w > gamma + 1]
+    16 and 64 entries (a switch-on's catch-up over plain steps; linear in between), those that fit
+    ``room``."""
+    wide = [w for w in (16, 64) if w > gamma + 1]
     return [w for w in list(range(1, gamma + 2)) + wide if w <= room]
 
 

@@ -389,8 +389,11 @@ class SpeculativeEngine(GenerationEngine):
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
             if self._drafted and self._step_timed:  # catch-up by width, the rest apart
                 cost, drafted = self.controller.cost, self._drafted
-                cost.observe_draft(len(active), self._catch_up_width,
-                                   self._single_steps_start - self._draft_start)
+                if self._catch_up_width in cost.draft:
+                    # Only a calibrated width: a table begun online would hold one batch size,
+                    # and be read at every other (a 111-entry catch-up of 2 rows priced at 64).
+                    cost.observe_draft(len(active), self._catch_up_width,
+                                       self._single_steps_start - self._draft_start)
                 single = self._single_steps_end - self._single_steps_start
                 if self.drafter.parallel:  # one forward and the heads, by the block's length
                     cost.observe_block(len(active), drafted, single)
