@@ -180,10 +180,11 @@ class Recorder(AdaptiveGamma):
 
     def __init__(self, *args, **kw):
         super().__init__(*args, **kw)
-        self.steps, self.catch_ups = [], []
+        self.steps, self.catch_ups, self.choices = [], [], []
 
     def choose(self, n, catch_up=0):
         self.catch_ups.append(catch_up)
+        self.choices.append((catch_up, self.last_gamma))
         return super().choose(n, catch_up)
 
     def observe_step(self, n, gamma, seconds, emitted, kept):
@@ -211,6 +212,12 @@ def test_the_engine_reports_each_whole_step_with_the_tokens_it_kept():
     # the step's seconds are its draft + verify + other seconds (the refills are apart)
     assert 0 < sum(s for _, _, s, *_ in ctl.steps) <= (st.draft_seconds + st.verify_seconds
                                                        + st.other_seconds)
+    # the next call's rows are new to the draft too: its first choice is priced as a switch-on
+    # (last gamma 0), however the last call ended
+    ctl.last_gamma = 3
+    ctl.catch_ups.clear(), ctl.choices.clear()
+    engine.generate(prompts, sampling, generator=torch.Generator().manual_seed(1))
+    assert ctl.choices[0] == (max(len(p) for p in prompts[:3]) + 1, 0)
 
 
 def test_the_stats_say_where_the_time_went_by_gamma_and_in_switching_drafting_on():

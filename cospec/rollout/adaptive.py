@@ -275,6 +275,12 @@ class AdaptiveGamma:
         ratio = min(max(seconds / chosen[2], 0.5), 3.0)
         self.cost.average_into(self.step_correction.setdefault(gamma, {}), n, ratio)
 
+    def start_call(self) -> None:
+        """A generate call begins: its rows are new to the draft, so its first drafting step
+        (a prefill of every row into the draft) is a switch-on, whatever the last call ended
+        with."""
+        self.last_gamma = 0
+
     def choose(self, n: int, catch_up: int = 0) -> int:
         """The gamma for the next step of n rows (may be a probe; see the module docstring).
         catch_up: the widest run of entries a row's draft has not read (a row it never saw: its

@@ -141,6 +141,8 @@ class SpeculativeEngine(GenerationEngine):
         done: list[Completion | None] = [None] * len(prompts)
         self.num_forwards = 0
         last_gamma = None  # of this call's previous step
+        if self.controller is not None:
+            self.controller.start_call()
         while queue or any(s is not None for s in self.slots):
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
