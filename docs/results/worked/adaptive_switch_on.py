@@ -7,7 +7,8 @@ The bench's prompts and seeds (`cospec bench rollout`: 2B prompts, at least 16, 
 task mix; one warm-up, then 3 repeats interleaved, a new seed each), gamma 4. "unpriced" is the
 controller before the switch-on pricing: its engine reports a catch-up of 0, so a drafting step
 after plain ones is rated like any other. Per method: tokens/s over plain's, and where the time
-went (whole steps by gamma, the switch-on steps, the draft's prefills of new rows)."""
+went (whole steps by gamma, the switch-on steps, the draft's prefills of new rows), and what a
+catch-up entry costs against a row's plain step."""
 
 import json
 import sys
@@ -75,8 +76,14 @@ def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int =
                       "switch_on_steps": sum(st.switch_on_steps for st in stats),
                       "switch_on_seconds": sum(st.switch_on_seconds for st in stats),
                       "draft_prefill_seconds": sum(st.draft_prefill_seconds for st in stats)}
+        # what one catch-up entry costs against one row's plain step, from the priced engine's
+        # cost table (the calibration's widest draft call, refined online)
+        cost, widest = engines["priced"].controller.cost, max(engines["priced"].controller.cost.draft)
+        row["catch_up_entry_over_plain_row"] = (cost.draft_cost(B, widest) / widest) / (
+            cost.verify_cost(B, 1) / B)
         rows.append(row)
-        print(f"B{B}: plain {row['plain_tok_s']:.0f} tok/s ({row['plain_seconds']:.1f} s)")
+        print(f"B{B}: plain {row['plain_tok_s']:.0f} tok/s ({row['plain_seconds']:.1f} s); a "
+              f"catch-up entry costs {row['catch_up_entry_over_plain_row']:.2f} of a plain row-step")
         for k in ("unpriced", "priced"):
             r = row[k]
             print(f"  {k:>8}: {r['speedup']:.3f}x ({r['seconds']:.1f} s), steps by gamma "
