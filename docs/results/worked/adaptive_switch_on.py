@@ -79,7 +79,7 @@ def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int =
         # what one catch-up entry costs against one row's plain step, from the priced engine's
         # cost table (the calibration's widest draft call, refined online)
         cost, widest = engines["priced"].controller.cost, max(engines["priced"].controller.cost.draft)
-        row["catch_up_entry_over_plain_row"] = (cost.draft_cost(B, widest) / widest) / (
+        row["catch_up_entry_over_plain_row"] = (cost.draft_cost(B, widest) / (B * widest)) / (
             cost.verify_cost(B, 1) / B)
         rows.append(row)
         print(f"B{B}: plain {row['plain_tok_s']:.0f} tok/s ({row['plain_seconds']:.1f} s); a "
