@@ -290,9 +290,9 @@ class AdaptiveGamma:
         model's errors decide, so there plain decoding is the safe side. After a plain step,
         drafting is priced with the catch-up it would read (every entry since the draft last ran):
         the first drafting step must pay for it itself (docs/design.md, "Switching speculation
-        on"), else a controller that flips near the margin pays one catch-up per flip. A probe happens only
-        where a perfect draft would pay: at batch sizes where even acceptance 1 loses, knowing the
-        acceptance better cannot change the choice.
+        on"), else a controller that flips near the margin pays one catch-up per flip. A probe
+        happens only where a perfect draft would pay, its catch-up included: at batch sizes where
+        even acceptance 1 loses, knowing the acceptance better cannot change the choice.
         """
         switch_on = catch_up if self.last_gamma == 0 else 0
         best = self._choose(n, switch_on)

@@ -3,8 +3,8 @@
 # N rows, T tokens (entries) per row, G = gamma, B batch size
 
 Before a speculative engine first generates with an adaptive controller, `calibrate` times
-verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens (draft calls also
-at T = 16 and 64, the catch-up of a drafting step after plain ones), so that the
+verify(N, T) and draft(N, T) for T = 1..G+1 at N = 1, 2, 4, .. and B on dummy tokens (draft
+calls also at T = 16 and 64, the catch-up of a drafting step after plain ones), so that the
 controller's first choices rest on measurements (`cospec.rollout.adaptive`); the online averages
 refine the table during generation. `synced_time` is the clock both this and the engine's step
 timing read.

@@ -78,7 +78,8 @@ def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int =
                       "draft_prefill_seconds": sum(st.draft_prefill_seconds for st in stats)}
         # what one catch-up entry costs against one row's plain step, from the priced engine's
         # cost table (the calibration's widest draft call, refined online)
-        cost, widest = engines["priced"].controller.cost, max(engines["priced"].controller.cost.draft)
+        cost = engines["priced"].controller.cost
+        widest = max(cost.draft)
         row["catch_up_entry_over_plain_row"] = (cost.draft_cost(B, widest) / (B * widest)) / (
             cost.verify_cost(B, 1) / B)
         rows.append(row)
