@@ -123,18 +123,6 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
     for res in timers["adaptive"].results:
         for g, c in res.stats.gamma_counts.items():
             gamma_mix[g] = gamma_mix.get(g, 0) + c
-    # Where adaptive's time went (its steps by gamma, the switch-on steps' catch-ups, the
-    # draft's prefills of new rows), beside the plain engine's seconds for the same tokens.
-    adaptive_stats = [res.stats for res in timers["adaptive"].results]
-    by_gamma: dict[int, float] = {}
-    for st in adaptive_stats:
-        for g, sec in st.seconds_by_gamma.items():
-            by_gamma[g] = by_gamma.get(g, 0.0) + sec
-    adaptive_time = {"total": timers["adaptive"].seconds, "plain_total": timers["plain"].seconds,
-                     "steps_by_gamma": {str(g): v for g, v in sorted(by_gamma.items())},
-                     "switch_on_steps": sum(st.switch_on_steps for st in adaptive_stats),
-                     "switch_on": sum(st.switch_on_seconds for st in adaptive_stats),
-                     "draft_prefill": sum(st.draft_prefill_seconds for st in adaptive_stats)}
     last = timers["spec"].results[-1].stats
     speedup = timers["spec"].tok_s / timers["plain"].tok_s
     return {"batch_size": batch_size, "num_prompts": len(prompts),
@@ -144,7 +132,7 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "accept_length": tau, "ideal_speedup": ideal, "measured_over_ideal": speedup / ideal,
             "acceptance_by_position": last.acceptance_by_position,
             "adaptive_gamma_counts": {str(k): v for k, v in sorted(gamma_mix.items())},
-            "adaptive_seconds": adaptive_time,
+            "adaptive_seconds": time_split(timers["adaptive"], timers["plain"]),
             # c(N, G) after the run: measured whole-step seconds over the forwards' cost
             "adaptive_step_correction": {str(g): {str(n): c for n, c in sorted(t.items())}
                                          for g, t in sorted(controller.step_correction.items())},
@@ -157,6 +145,21 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "draft_step_over_decode_by_gamma": {
                 str(g): cost.draft_step_cost(batch_size, g, 1, controller.block_drafter)
                 / cost.verify_cost(batch_size, 1) for g in range(1, gamma + 1)}}
+
+
+def time_split(adaptive: Timer, plain: Timer) -> dict:
+    """Where adaptive's time went (its steps by gamma, the switch-on steps, the draft's prefills
+    of new rows), beside the plain engine's seconds for the same prompts."""
+    stats = [res.stats for res in adaptive.results]
+    by_gamma: dict[int, float] = {}
+    for st in stats:
+        for g, sec in st.seconds_by_gamma.items():
+            by_gamma[g] = by_gamma.get(g, 0.0) + sec
+    return {"total": adaptive.seconds, "plain_total": plain.seconds,
+            "steps_by_gamma": {str(g): v for g, v in sorted(by_gamma.items())},
+            "switch_on_steps": sum(st.switch_on_steps for st in stats),
+            "switch_on": sum(st.switch_on_seconds for st in stats),
+            "draft_prefill": sum(st.draft_prefill_seconds for st in stats)}
 
 
 def hf_generate_tok_s(model, prompts, sampling: SamplingConfig, *, assistant=None, seed: int = 0,

@@ -130,6 +130,20 @@ class CostModel:
             return None
         return first + (rest if block else (gamma - 1) * rest)
 
+    def observe_drafting(self, n: int, catch_up_width: int, drafted: int, block: bool,
+                         times: tuple[float, float, float]) -> None:
+        """A drafting step's draft calls, from times (start, catch-up done, drafting done): the
+        catch-up by its width, then one block forward by the block's length, or the one-entry
+        calls. The catch-up refines only a calibrated width: a table begun online would hold one
+        batch size and be read at every other (a 111-entry catch-up of 2 rows priced at 64)."""
+        start, caught_up, end = times
+        if catch_up_width in self.draft:
+            self.observe_draft(n, catch_up_width, caught_up - start)
+        if block:
+            self.observe_block(n, drafted, end - caught_up)
+        elif drafted > 1:
+            self.observe_draft(n, 1, (end - caught_up) / (drafted - 1))
+
     def _by_length(self, tables: dict[int, dict[int, float]], n: int, t: int) -> float | None:
         """tables[t] at n rows. An unmeasured t: linear in t between the measured t on each side;
         past the longest, along the slope between the two longest (a call's fixed cost is not

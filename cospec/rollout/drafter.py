@@ -72,9 +72,8 @@ class Eagle3Drafter(TappedDrafter):
                  num_valid_N: Tensor | None = None, logits_positions_N: Tensor | None = None
                  ) -> tuple[Tensor, Tensor]:
         """Logits [N, T, Vd] (at ``logits_positions_N`` only: [N, 1, Vd]) and hidden [N, T, C]."""
-        kw = {} if logits_positions_N is None else {"logits_positions_B": logits_positions_N}
         out = self.forward(tokens_NT, feats_NTC, kv_cache=cache, cache_rows=rows_N,
-                           num_valid_B=num_valid_N, **kw)
+                           num_valid_B=num_valid_N, logits_positions_B=logits_positions_N)
         # Over the head's columns only: the engine warps and draws there and maps the draws to
         # policy ids; the ids off the head have q = 0, so the residual max(0, p - q) keeps their
         # exact p (`cospec.rollout.verify.HeadProbs`).
@@ -108,9 +107,8 @@ class LMDrafter:
     def __call__(self, cache: KVCache, tokens_NT: Tensor, feats_NTC: Tensor | None,
                  rows_N: Tensor | None, num_valid_N: Tensor | None = None,
                  logits_positions_N: Tensor | None = None) -> tuple[Tensor, None]:
-        kw = {} if logits_positions_N is None else {"logits_positions_B": logits_positions_N}
         out = self.forward(tokens_NT, kv_cache=cache, cache_rows=rows_N, num_valid_B=num_valid_N,
-                           **kw)
+                           logits_positions_B=logits_positions_N)
         return out.logits, None
 
 

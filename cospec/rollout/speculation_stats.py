@@ -47,6 +47,7 @@ class SpeculationStats:
     switch_on_steps: int = 0
     switch_on_seconds: float = 0.0
     draft_prefill_seconds: float = 0.0
+    _last_gamma: int | None = field(default=None, repr=False)  # the call's previous step's
     plain_decode_estimate_seconds: float | None = None
     overshoot_by_position: list[dict] = field(default_factory=list)
 
@@ -66,9 +67,11 @@ class SpeculationStats:
                 self.reached[j] += 1
                 self.accepted[j] += j < k
 
-    def add_step_seconds(self, gamma: int, seconds: float, switched_on: bool) -> None:
-        """A whole step at `gamma` took `seconds`; switched_on: it drafted after a plain step."""
+    def add_step_seconds(self, gamma: int, seconds: float) -> None:
+        """A whole step at `gamma` took `seconds` (steps in order: one after a plain step that
+        drafts switched drafting on)."""
         self.seconds_by_gamma[gamma] = self.seconds_by_gamma.get(gamma, 0.0) + seconds
+        switched_on, self._last_gamma = gamma > 0 and self._last_gamma == 0, gamma
         if switched_on:
             self.switch_on_steps += 1
             self.switch_on_seconds += seconds

@@ -122,6 +122,7 @@ class SpeculativeEngine(GenerationEngine):
         self.stats = SpeculationStats(reached=[0] * self.gamma, accepted=[0] * self.gamma)
         if self.controller is not None:
             self.stats.plain_decode_estimate_seconds = 0.0
+            self.controller.start_call()
         # Overshoot sums per draft position, kept on the device: [log q/p, q > p, mass, count].
         self._overshoot = torch.zeros(4, self.gamma, dtype=torch.float64, device=self.seq_BS.device)
         self._steps_drafted = 0
@@ -140,9 +141,6 @@ class SpeculativeEngine(GenerationEngine):
         self.row_counts: dict[int, list[int]] = {}  # prompt index -> see _refill
         done: list[Completion | None] = [None] * len(prompts)
         self.num_forwards = 0
-        last_gamma = None  # of this call's previous step
-        if self.controller is not None:
-            self.controller.start_call()
         while queue or any(s is not None for s in self.slots):
             free = [s for s, row in enumerate(self.slots) if row is None][:len(queue)]
             if free:
@@ -157,15 +155,14 @@ class SpeculativeEngine(GenerationEngine):
             # The step's own time (no refill: prefill cost does not depend on gamma, and counting
             # it would make every gamma look alike to the controller).
             t0 = synced_time(self.seq_BS)
-            gamma = (self.controller.choose(len(active), self._catch_up_entries(active))
-                     if self.controller else self.gamma)
+            gamma = self.gamma if self.controller is None else self.controller.choose(  # with the
+                len(active), max(self.n[s] - self.e[s] + 1 for s in active))  # widest catch-up
             self._graphs_before = graphs_called(self)
             draft_s, verify_s = self._step(active, gamma, sampling, generator, done, on_finish)
             self.num_forwards += 1
             step_s = synced_time(self.seq_BS) - t0
             other_s = step_s - draft_s - verify_s
-            self.stats.add_step_seconds(gamma, step_s, gamma > 0 and last_gamma == 0)
-            last_gamma = gamma
+            self.stats.add_step_seconds(gamma, step_s)
             self.stats.draft_seconds += draft_s
             self.stats.verify_seconds += verify_s
             self.stats.other_seconds += other_s
@@ -177,11 +174,6 @@ class SpeculativeEngine(GenerationEngine):
                                              self._emitted, self._kept)
         self.stats.set_rows([self.row_counts[i] for i in range(len(prompts))])
         return done, self.num_forwards
-
-    def _catch_up_entries(self, active) -> int:
-        """The widest catch-up a drafting step would read now (a row the draft never saw: its
-        whole length, fed by `_draft_prefill`); host-side counts, no device read."""
-        return max(self.n[s] - self.e[s] + 1 for s in active)
 
     def _refill(self, free, indices, prompts, sampling, generator, done, on_finish) -> None:
         """Prefill prompts into free slots; their first token is sampled from the prefill."""
@@ -290,8 +282,7 @@ class SpeculativeEngine(GenerationEngine):
         rows), in a call of their own: not at refill, so that steps at gamma 0 are the plain
         engine's steps (no draft work for rows that may never be drafted for), and not in the
         catch-up, which is padded to its widest row (a prompt there would make every row pay)."""
-        device = self.seq_BS.device
-        t0 = synced_time(self.seq_BS)
+        device, t0 = self.seq_BS.device, synced_time(self.seq_BS)
         rows_N = torch.tensor(rows, device=device)
         lengths_N = torch.tensor([self.n[s] for s in rows], device=device)
         P = max(self.n[s] for s in rows)
@@ -327,7 +318,6 @@ class SpeculativeEngine(GenerationEngine):
         if self.drafter.parallel:
             return self._draft_block(active, rows_t, rows_N, n_N, width_N, feats, gamma, sampling,
                                      generator)
-        # The head only at each row's last entry: the one q_1 is drawn from.
         logits, state = self.drafter(self.draft_cache, self.seq_BS[rows_N[:, None], idx_NW], feats,
                                      rows_t, width_N, logits_positions_N=width_N - 1)
         last = torch.arange(len(active), device=device), width_N - 1
@@ -389,18 +379,10 @@ class SpeculativeEngine(GenerationEngine):
         if self.controller is not None:
             plain_step = self.controller.cost.verify_cost(len(active), 1)
             st.plain_decode_estimate_seconds += plain_step * (sum(ks) + len(ks)) / len(ks)
-            if self._drafted and self._step_timed:  # catch-up by width, the rest apart
-                cost, drafted = self.controller.cost, self._drafted
-                if self._catch_up_width in cost.draft:
-                    # Only a calibrated width: a table begun online would hold one batch size,
-                    # and be read at every other (a 111-entry catch-up of 2 rows priced at 64).
-                    cost.observe_draft(len(active), self._catch_up_width,
-                                       self._single_steps_start - self._draft_start)
-                single = self._single_steps_end - self._single_steps_start
-                if self.drafter.parallel:  # one forward and the heads, by the block's length
-                    cost.observe_block(len(active), drafted, single)
-                elif drafted > 1:
-                    cost.observe_draft(len(active), 1, single / (drafted - 1))
+            if self._drafted and self._step_timed:
+                self.controller.cost.observe_drafting(
+                    len(active), self._catch_up_width, self._drafted, self.drafter.parallel,
+                    (self._draft_start, self._single_steps_start, self._single_steps_end))
             if gamma > 0:
                 self.controller.observe_acceptance(gamma, ks)
 

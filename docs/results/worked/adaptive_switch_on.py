@@ -5,7 +5,7 @@ draft-train` makes them).
 
 The bench's prompts and seeds (`cospec bench rollout`: 2B prompts, at least 16, of the default
 task mix; one warm-up, then 3 repeats interleaved, a new seed each), gamma 4. "unpriced" is the
-controller before the switch-on pricing: its engine reports a catch-up of 0, so a drafting step
+controller before the switch-on pricing: it is told a catch-up of 0, so a drafting step
 after plain ones is rated like any other. Per method: tokens/s over plain's, and where the time
 went (whole steps by gamma, the switch-on steps, the draft's prefills of new rows), and what a
 catch-up entry costs against a row's plain step."""
@@ -26,11 +26,11 @@ from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
 
-class UnpricedEngine(SpeculativeEngine):
+class UnpricedGamma(AdaptiveGamma):
     """The controller is told no catch-up: switch-ons are rated like any drafting step."""
 
-    def _catch_up_entries(self, active) -> int:
-        return 0
+    def choose(self, n: int, catch_up: int = 0) -> int:
+        return super().choose(n, 0)
 
 
 def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int = 4) -> None:
@@ -46,8 +46,8 @@ def main(batch_sizes: list[int], out: str | None, repeats: int = 3, gamma: int =
         prompts = task_prompts(cfg, max(2 * B, 16), data=data)
         engines = {
             "plain": GenerationEngine(policy, batch_size=B, stop_ids=stops),
-            "unpriced": UnpricedEngine(policy, draft, batch_size=B, gamma=gamma, stop_ids=stops,
-                                       controller=AdaptiveGamma(gamma)),
+            "unpriced": SpeculativeEngine(policy, draft, batch_size=B, gamma=gamma, stop_ids=stops,
+                                          controller=UnpricedGamma(gamma)),
             "priced": SpeculativeEngine(policy, draft, batch_size=B, gamma=gamma, stop_ids=stops,
                                         controller=AdaptiveGamma(gamma)),
         }
