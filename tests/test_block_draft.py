@@ -152,6 +152,37 @@ def test_the_decoding_path_proposes_what_training_computes():
     assert cache.lengths_B.tolist() == [a + 1 for a in anchors]  # the block is not kept
 
 
+@pytest.mark.parametrize("correction", [False, True])
+def test_a_row_is_drafted_alike_whether_the_step_addresses_the_whole_batch_or_its_row(correction):
+    """Batch 1 drafts through the whole-batch path (rows None), a batch of 4 holding one row
+    through the indexed one: the same prompt gets the same q at every step (the row's random
+    stream is its prompt's, so both runs draw alike, emit the same tokens and reach the same
+    anchors; not greedy, whose q is one-hot and would hide a wrong logit). Why it is worth a test: a batch-1 benchmark
+    on SmolLM2 once read a lower acceptance than batch 16 (docs/results/block_drafter.md)."""
+    policy = make_policy(CFG)
+    torch.manual_seed(3)
+    draft = trained_like(BlockDraft.from_policy(policy, correction=correction)).eval()
+    prompt, sampling = [BOS, 5, 6, 7, 8], SamplingConfig(temperature=1.0, max_new_tokens=48)
+
+    def q_by_anchor(batch_size):
+        engine = SpeculativeEngine(policy, draft, batch_size=batch_size, gamma=3, stop_ids=None)
+        drafted, draft_block = {}, engine.drafter.draft
+
+        def recorded(cache, anchor_N, gamma, rows_N, *args):
+            drafts, q, conf = draft_block(cache, anchor_N, gamma, rows_N, *args)
+            drafted[engine.n[0 if rows_N is None else int(rows_N[0])]] = q[0]
+            return drafts, q, conf
+        engine.drafter.draft = recorded
+        result = engine.generate([prompt], sampling, generator=torch.Generator().manual_seed(0))
+        tokens = result.completions[0].tokens
+        return drafted, tokens
+
+    (whole, tokens_whole), (indexed, tokens_indexed) = q_by_anchor(1), q_by_anchor(4)
+    assert tokens_whole == tokens_indexed and len(whole) > 10 and whole.keys() == indexed.keys()
+    for n in whole:
+        torch.testing.assert_close(whole[n], indexed[n], atol=1e-6, rtol=0, msg=f"anchor {n}")
+
+
 def trained_tiny_block_draft(policy, vocab_ids=None, steps=80, correction=False):
     """A block draft fitted on the policy's own samples: (draft, last metrics)."""
     torch.manual_seed(2)

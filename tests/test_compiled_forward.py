@@ -138,6 +138,21 @@ def test_rl_with_rollout_compile_decodes_with_the_updated_weights(tmp_path):
     assert trainer.engine.forward.num_compiled_calls > 0
 
 
+def test_precompile_compiles_only_the_spans_a_run_can_reach(policy):
+    """`longest_row` bounds the slots a run's rows hold, so the spans past it are never called:
+    precompiled up to it, a run compiles nothing more, and the 90-slot span was never built."""
+    from cospec.rollout.compiled_forward import longest_row, precompile_engine
+
+    engine = GenerationEngine(policy, batch_size=3, max_seq_len=CAPACITY, stop_ids=None,
+                              compile=True)
+    prompts, sampling = make_prompts(PROMPT_LENGTHS), SamplingConfig(max_new_tokens=20)
+    precompile_engine(engine, longest_row(prompts, sampling.max_new_tokens))
+    assert engine.forward.num_graphs == 1  # the 64-slot span's decode
+    engine.generate(prompts, sampling)
+    assert engine.forward.num_graphs == 1 and engine.forward.compiled_calls_by_span[CAPACITY] == 0
+    assert engine.forward.compiled_calls_by_span[64] > 0
+
+
 def test_adaptive_cost_model_leaves_out_steps_that_compiled(policy):
     """A step whose forward compiles a graph takes seconds: the controller must not read that as
     the step's cost. After `precompile_engine` no step compiles, and every step is observed."""

@@ -24,7 +24,7 @@ import torch
 
 from cospec.bench.rollout import Timer, _load_inputs, _meta
 from cospec.config import RunConfig
-from cospec.rollout.compiled_forward import precompile_engine
+from cospec.rollout.compiled_forward import longest_row, precompile_engine
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -52,7 +52,8 @@ def bench_batch_size(run, draft, prompts, *, batch_size: int) -> dict:
         for name, engine in engines.items():
             t0 = time.perf_counter()
             generate(engine, prompts, 0)
-            precompile_engine(engine)  # every span: none compiles in the timed runs
+            # every span the runs reach: none compiles in the timed runs
+            precompile_engine(engine, longest_row(prompts, run.sampling.max_new_tokens, run.gamma))
             warmup[name] = time.perf_counter() - t0
     timers = {k: Timer() for k in engines}
     for r in range(run.repeats):

@@ -41,7 +41,7 @@ from cospec.data.prompts import TaskData
 from cospec.data.tasks import Copy, encode_prompt
 from cospec.data.tokenizer import EOS, PAD, CharTokenizer
 from cospec.rollout.adaptive import AdaptiveGamma
-from cospec.rollout.compiled_forward import compile_rollouts, precompile_engine
+from cospec.rollout.compiled_forward import compile_rollouts, longest_row, precompile_engine
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
 
@@ -108,7 +108,8 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
         for name, engine in engines.items():  # warm-up (and the adaptive engine's calibration)
             engine.generate(prompts[:batch_size], sampling,
                             generator=torch.Generator(device=device).manual_seed(seed))
-            precompile_engine(engine)  # with rollout.compile: no graph compiles in a timed run
+            # with rollout.compile: no graph compiles in a timed run
+            precompile_engine(engine, longest_row(prompts, sampling.max_new_tokens, gamma))
     # The ideal speedup uses the calibrated costs alone (the online averages drift with the run).
     cost = copy.deepcopy(controller.cost)
     for r in range(repeats):

@@ -146,10 +146,15 @@ class CompiledCacheForward:
                          attn_fn=matmul_cache_attention)
         return out.logits, out.hidden, tuple(out.taps[i] for i in tap_layers)
 
-    def precompile(self, num_tokens: Sequence[int], tap_layers: Sequence[int] = ()) -> None:
+    def precompile(self, num_tokens: Sequence[int], tap_layers: Sequence[int] = (),
+                   longest: int | None = None) -> None:
         """Compile the graph of every span for each count of new tokens, now rather than at the
-        first step that needs it (a benchmark's timed runs should not compile). Runs on dummy
-        inputs and leaves every row's length as it was: call it between `generate` calls."""
+        first step that needs it (a benchmark's timed runs should not compile). ``longest``: no
+        row will hold more slots than this, so spans past the one that holds it are never called
+        and not compiled (None: every span). Runs on dummy inputs and leaves every row's length
+        as it was: call it between `generate` calls."""
+        spans = self.spans if longest is None else self.spans[:self.spans.index(
+            self.span_for(min(longest, self.cache.capacity))) + 1]
         saved = self.cache.lengths_B.clone()
         device, B = self.cache.lengths_B.device, self.cache.batch_size
         with torch.inference_mode():
@@ -161,7 +166,7 @@ class CompiledCacheForward:
                     inputs = (torch.zeros(B, T, self.model.config.hidden_size, dtype=p.dtype,
                                           device=device),)
                     kwargs = {}
-                for span in self.spans:
+                for span in spans:
                     self.cache.lengths_B.fill_(max(span - T, 0))
                     self.cache.expect_longest(max(span - T, 0))
                     self(tokens, *inputs, kv_cache=self.cache, **kwargs)
@@ -195,18 +200,26 @@ class CompiledCacheForward:
         return ModelOutput(logits=logits, hidden=hidden, taps=dict(zip(taps, tapped)))
 
 
-def precompile_engine(engine) -> None:
+def precompile_engine(engine, longest: int | None = None) -> None:
     """Compile, now, every graph a run of ``engine`` may call (`CompiledCacheForward.precompile`
     for each of its compiled forwards), so that timed runs after it never compile: a plain
     engine's decode; a speculative engine's verify lengths (every 1..gamma+1 under a controller,
-    else gamma+1) and its draft's one-token steps. Nothing for an eager engine."""
+    else gamma+1) and its draft's one-token steps. ``longest``: the most slots a row of the runs
+    will hold (`longest_row`), which bounds the spans compiled. Nothing for an eager engine."""
     if not isinstance(engine.forward, CompiledCacheForward):
         return
     drafter = getattr(engine, "drafter", None)
     if drafter is None:
-        engine.forward.precompile([1])
+        engine.forward.precompile([1], longest=longest)
         return
     lengths = range(1, engine.gamma + 2) if engine.controller is not None else [engine.gamma + 1]
-    engine.forward.precompile(lengths, drafter.tap_layers)
+    engine.forward.precompile(lengths, drafter.tap_layers, longest=longest)
     if isinstance(getattr(drafter, "forward", None), CompiledCacheForward):
-        drafter.forward.precompile([1])
+        drafter.forward.precompile([1], longest=longest)
+
+
+def longest_row(prompts: Sequence[Sequence[int]], max_new_tokens: int, gamma: int = 0) -> int:
+    """The most cache slots a row of a run on ``prompts`` can hold: its prompt, its response, and
+    the gamma + 1 tokens a speculative step writes at once (the policy's cache; the draft's holds
+    fewer)."""
+    return max(len(p) for p in prompts) + max_new_tokens + gamma + 1
