@@ -1,6 +1,7 @@
 """Shared fixtures: the pipelined runs (spawned gloo ranks) that test_pipeline.py and
 test_tap_channel.py both read, run once per session."""
 
+import os
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -13,6 +14,18 @@ from pipeline_runs import (BLOCK_SPEC, RunSpec, pipelined_runs, random_microbatc
                            reference_step, tiny_draft, tiny_policy)
 
 ALL_LAYERS = tuple(range(6))
+
+
+def pytest_collection_modifyitems(config, items):
+    """Cases marked ``full_matrix`` (distributed layouts whose code paths the suite's other
+    layouts already run) are skipped unless COSPEC_FULL_MATRIX=1: the suite stays under 15
+    minutes on 2 cores, and a change to the parallel code runs them all on purpose."""
+    if os.environ.get("COSPEC_FULL_MATRIX") == "1":
+        return
+    skip = pytest.mark.skip(reason="full-matrix layout: COSPEC_FULL_MATRIX=1 runs it")
+    for item in items:
+        if "full_matrix" in item.keywords:
+            item.add_marker(skip)
 
 
 @contextmanager

@@ -29,7 +29,7 @@ PROMPT_LENGTHS = [1, 4, 12, 7, 2, 9, 5]
 
 @pytest.fixture(scope="module")
 def policy():
-    return make_policy(dataclasses.replace(CFG, max_seq_len=CAPACITY))
+    return make_policy(dataclasses.replace(CFG, max_seq_len=CAPACITY, num_layers=2))
 
 
 def test_matmul_attention_equals_sdpa_on_ragged_rows_with_grouped_heads():
@@ -92,17 +92,15 @@ def test_compiled_speculation_emits_the_eager_engines_tokens(policy, kind):
         assert compiled_engine.drafter.forward.num_compiled_calls > 0
 
 
-# Adaptive picks gamma from timings, which compiling changes (so sampled runs draw differently);
-# its greedy tokens are still the policy's.
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_greedy_compiled_speculation_equals_greedy_plain_decoding(policy, adaptive):
+# Adaptive speculation compiled: test_adaptive_cost_model_leaves_out_steps_that_compiled, greedy.
+def test_greedy_compiled_speculation_equals_greedy_plain_decoding(policy):
     torch.manual_seed(1)
     draft = Eagle3Draft.from_policy(policy).eval()
     prompts = make_prompts(PROMPT_LENGTHS)
     greedy = SamplingConfig(temperature=0.0, max_new_tokens=CAPACITY)
     plain = GenerationEngine(policy, batch_size=3, max_seq_len=CAPACITY, stop_ids=None)
-    spec = SpeculativeEngine(policy, draft, batch_size=3, gamma=2, adaptive=adaptive,
-                             max_seq_len=CAPACITY, stop_ids=None, compile=True)
+    spec = SpeculativeEngine(policy, draft, batch_size=3, gamma=2, max_seq_len=CAPACITY,
+                             stop_ids=None, compile=True)
     for a, b in zip(plain.generate(prompts, greedy).completions,
                     spec.generate(prompts, greedy).completions):
         assert b.tokens == a.tokens, f"prompt {a.index}"
@@ -155,15 +153,20 @@ def test_precompile_compiles_only_the_spans_a_run_can_reach(policy):
 
 def test_adaptive_cost_model_leaves_out_steps_that_compiled(policy):
     """A step whose forward compiles a graph takes seconds: the controller must not read that as
-    the step's cost. After `precompile_engine` no step compiles, and every step is observed."""
+    the step's cost. After `precompile_engine` no step compiles, and every step is observed.
+    Adaptive picks gamma from timings, which compiling changes (so sampled runs would draw
+    differently): its greedy tokens are still the plain engine's, with refills and both spans."""
     from cospec.rollout.compiled_forward import graphs_called, precompile_engine
 
     torch.manual_seed(1)
     engine = SpeculativeEngine(policy, Eagle3Draft.from_policy(policy).eval(), batch_size=3,
                                gamma=2, adaptive=True, max_seq_len=CAPACITY, stop_ids=None,
                                compile=True)
-    prompts = make_prompts(PROMPT_LENGTHS[:3])
+    prompts = make_prompts(PROMPT_LENGTHS)
     engine.generate(prompts, SamplingConfig(max_new_tokens=4))  # calibrates on the 64-slot span
+    greedy = SamplingConfig(temperature=0.0, max_new_tokens=CAPACITY)
+    plain = GenerationEngine(policy, batch_size=3, max_seq_len=CAPACITY, stop_ids=None)
+    plain_tokens = [c.tokens for c in plain.generate(prompts, greedy).completions]
     observed = []
     observe = engine.controller.cost.observe_verify
     engine.controller.cost.observe_verify = lambda n, t, s: (observed.append(t), observe(n, t, s))
@@ -171,9 +174,9 @@ def test_adaptive_cost_model_leaves_out_steps_that_compiled(policy):
     def run():
         observed.clear()
         before = graphs_called(engine)
-        steps = sum(engine.generate(prompts, SamplingConfig(max_new_tokens=CAPACITY)
-                                    ).stats.gamma_counts.values())
-        return steps, graphs_called(engine) - before
+        result = engine.generate(prompts, greedy)
+        assert [c.tokens for c in result.completions] == plain_tokens
+        return sum(result.stats.gamma_counts.values()), graphs_called(engine) - before
 
     steps, new_graphs = run()  # rows grow past 64 slots: the 90-slot span compiles mid-run
     assert new_graphs > 0 and len(observed) < steps

@@ -361,8 +361,10 @@ def trainer_batch(trainer):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,ranks", [("dp2", 2), ("pp2-bf16", 2), ("cp2", 2),
-                                           ("cp2-block-bf16", 2), ("dp2xpp2", 4)])
+# dp2 alone: a full-matrix case (dp2xpp2 shards the same way, per stage)
+@pytest.mark.parametrize("layout,ranks", [pytest.param("dp2", 2, marks=pytest.mark.full_matrix),
+                                           ("pp2-bf16", 2), ("cp2", 2), ("cp2-block-bf16", 2),
+                                           ("dp2xpp2", 4)])
 def test_every_ranks_state_and_traffic_are_what_the_plan_says(tmp_path, layout, ranks):
     results = spawn(_counting_run, ranks, str(tmp_path), layout)
     if layout == "pp2-bf16":  # what stage 0 sent on TapChannel is what the last stage received
