@@ -1,5 +1,5 @@
 """Shared fixtures: the pipelined runs (spawned gloo ranks) that test_pipeline.py and
-test_tap_channel.py both read, run once per session."""
+test_tap_channel.py both read, run once per session; and the ``full_matrix`` marker's skip."""
 
 import os
 from contextlib import contextmanager

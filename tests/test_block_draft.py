@@ -157,8 +157,9 @@ def test_a_row_is_drafted_alike_whether_the_step_addresses_the_whole_batch_or_it
     """Batch 1 drafts through the whole-batch path (rows None), a batch of 4 holding one row
     through the indexed one: the same prompt gets the same q at every step (the row's random
     stream is its prompt's, so both runs draw alike, emit the same tokens and reach the same
-    anchors; not greedy, whose q is one-hot and would hide a wrong logit). Why it is worth a test: a batch-1 benchmark
-    on SmolLM2 once read a lower acceptance than batch 16 (docs/results/block_drafter.md)."""
+    anchors; not greedy, whose q is one-hot and would hide a wrong logit). Worth a test: a
+    batch-1 benchmark on SmolLM2 once read a lower acceptance than batch 16 (the sample's doing,
+    docs/results/block_drafter.md, "SmolLM2: why batch 1 read lower")."""
     policy = make_policy(CFG)
     torch.manual_seed(3)
     draft = trained_like(BlockDraft.from_policy(policy, correction=correction)).eval()

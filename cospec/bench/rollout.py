@@ -105,10 +105,10 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
     }
     timers = {k: Timer() for k in engines}
     with torch.inference_mode():
-        for name, engine in engines.items():  # warm-up (and the adaptive engine's calibration)
+        for name, engine in engines.items():  # warm-up, calibration, graphs: none in a timed run
             engine.generate(prompts[:batch_size], sampling,
                             generator=torch.Generator(device=device).manual_seed(seed))
-            precompile_engine(engine, longest_row(prompts, sampling.max_new_tokens, gamma))  # now, not timed
+            precompile_engine(engine, longest_row(prompts, sampling.max_new_tokens, gamma))
     # The ideal speedup uses the calibrated costs alone (the online averages drift with the run).
     cost = copy.deepcopy(controller.cost)
     for r in range(repeats):
