@@ -153,8 +153,9 @@ class CompiledCacheForward:
         row will hold more slots than this, so spans past the one that holds it are never called
         and not compiled (None: every span). Runs on dummy inputs and leaves every row's length
         as it was: call it between `generate` calls."""
-        spans = self.spans if longest is None else self.spans[:self.spans.index(
-            self.span_for(min(longest, self.cache.capacity))) + 1]
+        last = self.spans[-1] if longest is None else self.span_for(
+            min(longest, self.cache.capacity))
+        spans = [s for s in self.spans if s <= last]
         saved = self.cache.lengths_B.clone()
         device, B = self.cache.lengths_B.device, self.cache.batch_size
         with torch.inference_mode():
