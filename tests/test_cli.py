@@ -141,6 +141,8 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     assert [(r["draft"], r["batch_size"]) for r in result["results"]] == [("eagle3", 2), ("block", 2)]
     assert all(r["accept_length"] >= 1 and set(r["draft_step_over_decode_by_gamma"]) == {"1", "2"}
                for r in result["results"])
+    # each speculative run is paired with plain decoding of its own response lengths
+    assert all(r["paired_speedup"] > 0 and r["adaptive_paired_speedup"] > 0 for r in result["results"])
     assert (out / "draft").is_dir() and (out / "draft_block").is_dir()
     families = result["acceptance_by_family"]
     assert set(families) == {"eagle3", "block"} and set(families["block"]) == set(families["eagle3"])

@@ -171,6 +171,31 @@ def test_a_full_cache_ends_a_row_with_reason_length(model):
     assert [(len(c.tokens), c.finish_reason) for c in result.completions] == [(6, "length"), (1, "length")]
 
 
+@torch.no_grad()
+def test_replayed_response_lengths_are_decoded_exactly_through_stop_ids(model):
+    """`response_lengths`, the rollout benchmark's paired baseline: plain decoding of responses
+    of exactly the given lengths (another method's), a stop id drawn on the way not ending them;
+    greedy, each is the free run's response cut at its length."""
+    prompts = make_prompts([3, 7, 5, 4])
+    free = GenerationEngine(model, batch_size=2, stop_ids=None).generate(prompts, GREEDY).completions
+    stop = free[1].tokens[2]
+    lengths = [1, 12, 5, 9]
+    replay = GenerationEngine(model, batch_size=2, stop_ids=(stop,)).generate(
+        prompts, GREEDY, response_lengths=lengths).completions
+    assert [c.tokens for c in replay] == [f.tokens[:n] for f, n in zip(free, lengths)]
+    assert stop in replay[1].tokens[:-1]
+
+
+def test_replayed_response_lengths_must_fit_the_run(model):
+    engine, prompts = GenerationEngine(model, batch_size=2), make_prompts([3, 7])
+    with pytest.raises(ValueError, match="1 response lengths for 2 prompts"):
+        engine.generate(prompts, GREEDY, response_lengths=[4])
+    with pytest.raises(ValueError, match=r"response length 13 of prompt 1 is outside \[1, 12\]"):
+        engine.generate(prompts, GREEDY, response_lengths=[4, 13])
+    with pytest.raises(ValueError, match="response length 0 of prompt 0"):
+        engine.generate(prompts, GREEDY, response_lengths=[0, 4])
+
+
 def test_a_prompt_without_room_for_a_response_raises(model):
     engine = GenerationEngine(model, batch_size=2)
     with pytest.raises(ValueError, match="model.max_seq_len=64"):

@@ -10,6 +10,15 @@ answers the same prompts (2B of them, at least 16) with the same seed; methods r
 ``repeats`` times each after one warm-up, and tokens/s is total tokens over total seconds, so slow
 drift of the machine hits all methods alike.
 
+Paired speedups (``paired_speedup``, ``adaptive_paired_speedup``): each speculative run is followed
+by plain decoding of responses of exactly its lengths (`GenerationEngine.generate`'s
+``response_lengths``), and the ratio is taken against that. Speculation changes which random
+numbers each row draws, so each method samples other answers; with few prompts one long response
+decides a run's length (a batch's tail decodes one row at a time), and unpaired ratios swing by
++-10-20% from the samples alone. Since sampling is lossless, the lengths have the same
+distribution under every method, so the paired ratio estimates the same speedup with that
+variance removed; the machine's own timing noise stays.
+
 Ideal speedup (what the cost model predicts from the measured tau, Leviathan et al. Sec. 3.4):
     ideal = tau * verify(B, 1) / (verify(B, G + 1) + draft(B, ceil(tau)) + (G - 1) * draft(B, 1))
 with verify/draft the calibrated forward costs at B rows (`cospec.rollout.adaptive`); it leaves out
@@ -36,42 +45,14 @@ from dataclasses import dataclass
 
 import torch
 
-from cospec.config import ConfigError, RunConfig, SamplingConfig
+from cospec.bench.workloads import check_workload, task_prompts
+from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
-from cospec.data.tasks import Copy, encode_prompt
-from cospec.data.tokenizer import EOS, PAD, CharTokenizer
+from cospec.data.tokenizer import EOS, PAD
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.compiled_forward import compile_rollouts, longest_row, precompile_engine
 from cospec.rollout.engine import GenerationEngine
 from cospec.rollout.speculative import SpeculativeEngine
-
-
-def check_workload(cfg: RunConfig, workload: str) -> None:
-    """ConfigError, before anything is trained, for ``long`` on a policy that never saw copy."""
-    if workload == "long" and (cfg.task.source != "synthetic" or "copy" not in cfg.task.families):
-        raise ConfigError("--workload long samples copy prompts: it needs task.source=synthetic "
-                          "and a policy trained on the copy family (task.families with copy, "
-                          "e.g. the short families 'task.families=[copy,add,sort,perm]')")
-
-
-def task_prompts(cfg: RunConfig, n: int, seed: int = 2024, *, workload: str = "tasks",
-                 data: TaskData | None = None) -> list[list[int]]:
-    """``tasks``: the run's RL prompts (``task.source`` through its tokenizer; on the default
-    synthetic suite, worked solutions of ~40 tokens on average). ``long`` (synthetic only): copy
-    prompts whose answers have 24-40 characters (the long tail of the short families: what a
-    rollout batch still decodes after their short answers have finished)."""
-    rng = random.Random(seed)
-    if workload == "long":
-        check_workload(cfg, workload)
-        tok, copy_family = CharTokenizer(), Copy(mean_len=30.0, max_len=40)
-        examples = []
-        while len(examples) < n:
-            ex = copy_family.sample(rng)
-            if len(ex.answer) >= 24:
-                examples.append(ex)
-        return [encode_prompt(e, tok) for e in examples]
-    data = data or TaskData.from_config(cfg.task, CharTokenizer())
-    return [data.prompt_ids(data.source.sample(rng)) for _ in range(n)]
 
 
 class Timer:
@@ -103,7 +84,6 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
         "spec": SpeculativeEngine(policy, draft, **spec),
         "adaptive": SpeculativeEngine(policy, draft, controller=controller, **spec),
     }
-    timers = {k: Timer() for k in engines}
     with torch.inference_mode():
         for name, engine in engines.items():  # warm-up, calibration, graphs: none in a timed run
             engine.generate(prompts[:batch_size], sampling,
@@ -111,10 +91,7 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             precompile_engine(engine, longest_row(prompts, sampling.max_new_tokens, gamma))
     # The ideal speedup uses the calibrated costs alone (the online averages drift with the run).
     cost = copy.deepcopy(controller.cost)
-    for r in range(repeats):
-        for name, engine in engines.items():
-            gen = torch.Generator(device=device).manual_seed(seed + 1 + r)
-            timers[name].add(engine.generate(prompts, sampling, generator=gen))
+    timers = timed_runs(engines, prompts, sampling, repeats=repeats, seed=seed)
     spec_stats = [res.stats for res in timers["spec"].results]
     tau = sum(s.step_tokens for s in spec_stats) / max(sum(s.row_steps for s in spec_stats), 1)
     draft_s = cost.draft_step_cost(batch_size, gamma, math.ceil(tau), controller.block_drafter)
@@ -129,6 +106,8 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "plain_tok_s": timers["plain"].tok_s, "spec_tok_s": timers["spec"].tok_s,
             "adaptive_tok_s": timers["adaptive"].tok_s, "speedup": speedup,
             "adaptive_speedup": timers["adaptive"].tok_s / timers["plain"].tok_s,
+            "paired_speedup": timers["spec"].tok_s / timers["plain@spec"].tok_s,
+            "adaptive_paired_speedup": timers["adaptive"].tok_s / timers["plain@adaptive"].tok_s,
             "accept_length": tau, "ideal_speedup": ideal, "measured_over_ideal": speedup / ideal,
             "acceptance_by_position": last.acceptance_by_position,
             "adaptive_gamma_counts": {str(k): v for k, v in sorted(gamma_mix.items())},
@@ -145,6 +124,25 @@ def bench_batch_size(policy, draft, prompts, sampling: SamplingConfig, *, batch_
             "draft_step_over_decode_by_gamma": {
                 str(g): cost.draft_step_cost(batch_size, g, 1, controller.block_drafter)
                 / cost.verify_cost(batch_size, 1) for g in range(1, gamma + 1)}}
+
+
+def timed_runs(engines: dict, prompts, sampling: SamplingConfig, *, repeats: int,
+               seed: int) -> dict[str, Timer]:
+    """Each engine (plain first) answers the prompts ``repeats`` times, interleaved, seeds
+    seed + 1 + r; after each other engine's run, ``plain@NAME``: the plain engine decodes
+    responses of that run's lengths (the paired baseline)."""
+    device = next(engines["plain"].model.parameters()).device
+    timers = {k: Timer() for k in engines} | {f"plain@{k}": Timer() for k in engines if k != "plain"}
+    for r in range(repeats):
+        for name, engine in engines.items():
+            gen = torch.Generator(device=device).manual_seed(seed + 1 + r)
+            timers[name].add(result := engine.generate(prompts, sampling, generator=gen))
+            if name != "plain":
+                lengths = [len(c.tokens) for c in result.completions]
+                gen = torch.Generator(device=device).manual_seed(seed + 1 + r)
+                timers[f"plain@{name}"].add(engines["plain"].generate(
+                    prompts, sampling, generator=gen, response_lengths=lengths))
+    return timers
 
 
 def time_split(adaptive: Timer, plain: Timer) -> dict:
@@ -195,13 +193,14 @@ def load_hf_pair(policy_dir, draft_lm_dir, gamma: int, dtype: torch.dtype = torc
 
 def format_table(rows: list[dict]) -> str:
     head = (f"{'draft':>6} {'batch':>5} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} "
-            f"{'adapt tok/s':>11} "
-            f"{'adapt x':>8} {'tau':>5} {'ideal':>6} {'meas/ideal':>10}  adaptive gammas")
+            f"{'paired':>7} {'adapt tok/s':>11} "
+            f"{'adapt x':>8} {'paired':>7} {'tau':>5} {'ideal':>6} {'meas/ideal':>10}  adaptive gammas")
     lines = [head, "-" * len(head)]
     for r in rows:
         lines.append(f"{r.get('draft', 'eagle3'):>6} {r['batch_size']:>5} {r['plain_tok_s']:>11.1f} "
-                     f"{r['spec_tok_s']:>10.1f} "
-                     f"{r['speedup']:>7.2f}x {r['adaptive_tok_s']:>11.1f} {r['adaptive_speedup']:>7.2f}x "
+                     f"{r['spec_tok_s']:>10.1f} {r['speedup']:>7.2f}x {r['paired_speedup']:>6.2f}x "
+                     f"{r['adaptive_tok_s']:>11.1f} {r['adaptive_speedup']:>7.2f}x "
+                     f"{r['adaptive_paired_speedup']:>6.2f}x "
                      f"{r['accept_length']:>5.2f} {r['ideal_speedup']:>5.2f}x {r['measured_over_ideal']:>10.2f}"
                      f"  {r['adaptive_gamma_counts']}")
     return "\n".join(lines)

@@ -238,15 +238,23 @@ class GenerationEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
                  generator: torch.Generator | None = None, seeds: list[int] | None = None,
-                 progress: bool = False) -> GenerationResult:
+                 progress: bool = False,
+                 response_lengths: list[int] | None = None) -> GenerationResult:
         """Answer every prompt once; completions in prompt order.
 
         Randomness: with ``seeds`` (one per prompt), every row draws from its own prompt's stream
         (`PromptStreams`): its tokens do not depend on the batch it shares or on its slot.
         Otherwise from ``generator``, reproducible given its state and the batch size (the batch
         size decides which random numbers each row draws); it must live on the model's device.
+
+        response_lengths (plain engine only): each prompt's response runs exactly this many tokens,
+        stop ids ignored. The rollout benchmark times plain decoding on another method's response
+        lengths with it: a step's cost depends on the rows' lengths, not on the tokens drawn, so
+        this is what plain decoding would have taken for those very responses.
         """
         self.check_prompts(prompts)
+        if response_lengths is not None:
+            self._check_response_lengths(response_lengths, prompts, sampling)
         streams = None
         if seeds is not None:
             if len(seeds) != len(prompts):
@@ -257,7 +265,8 @@ class GenerationEngine:
             generator = streams
         start = time.perf_counter()
         with torch.inference_mode(), progress_bar(progress, len(prompts), "generating") as tick:
-            done, num_forwards = self._run(prompts, sampling, generator, tick)
+            replay = {} if response_lengths is None else {"response_lengths": response_lengths}
+            done, num_forwards = self._run(prompts, sampling, generator, tick, **replay)
             if streams is not None:
                 streams.check_bound()
         seconds = time.perf_counter() - start
@@ -265,8 +274,21 @@ class GenerationEngine:
         return GenerationResult(completions=done, num_tokens=num_tokens, num_forwards=num_forwards,
                                 seconds=seconds, tokens_per_second=num_tokens / max(seconds, 1e-9))
 
-    def _run(self, prompts, sampling, generator, on_finish) -> tuple[list[Completion], int]:
+    def _check_response_lengths(self, lengths: list[int], prompts: list[list[int]],
+                                sampling: SamplingConfig) -> None:
+        if len(lengths) != len(prompts):
+            raise ValueError(f"{len(lengths)} response lengths for {len(prompts)} prompts")
+        for i, (n, p) in enumerate(zip(lengths, prompts)):
+            room = min(sampling.max_new_tokens, self.capacity - len(p))
+            if not 1 <= n <= room:
+                raise ValueError(f"response length {n} of prompt {i} is outside [1, {room}] "
+                                 f"(sampling.max_new_tokens={sampling.max_new_tokens}, or the "
+                                 "cache's room after the prompt)")
+
+    def _run(self, prompts, sampling, generator, on_finish,
+             response_lengths: list[int] | None = None) -> tuple[list[Completion], int]:
         device = self.cache.lengths_B.device
+        stop_ids = self.stop_ids if response_lengths is None else frozenset()
         queue = deque(range(len(prompts)))
         slots: list[Completion | None] = [None] * self.batch_size
         done: list[Completion | None] = [None] * len(prompts)
@@ -279,8 +301,10 @@ class GenerationEngine:
             check_logprobs_finite(logprobs, self.num_forwards)
             for slot, tok, lp in zip(rows, ids, logprobs):
                 row = slots[slot]
-                if append_until_finished(row, [tok], [lp], max_new_tokens=sampling.max_new_tokens,
-                                         capacity=self.capacity, stop_ids=self.stop_ids):
+                budget = (sampling.max_new_tokens if response_lengths is None
+                          else response_lengths[row.index])
+                if append_until_finished(row, [tok], [lp], max_new_tokens=budget,
+                                         capacity=self.capacity, stop_ids=stop_ids):
                     done[row.index], slots[slot] = row, None
                     on_finish()
 

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from cospec.bench.rollout import Timer, task_prompts
+from cospec.bench.rollout import Timer
+from cospec.bench.workloads import task_prompts
 from cospec.config import SamplingConfig, resolve
 from cospec.data.prompts import TaskData
 from cospec.data.tokenizer import CharTokenizer
