@@ -17,7 +17,7 @@ numbers each row draws, so each method samples other answers; with few prompts o
 decides a run's length (a batch's tail decodes one row at a time), and unpaired ratios swing by
 +-10-20% from the samples alone. Since sampling is lossless, the lengths have the same
 distribution under every method, so the paired ratio estimates the same speedup with that
-variance removed; the machine's own timing noise stays.
+variance removed; the machine's own timing noise stays (docs/design.md, "Paired speedups").
 
 Ideal speedup (what the cost model predicts from the measured tau, Leviathan et al. Sec. 3.4):
     ideal = tau * verify(B, 1) / (verify(B, G + 1) + draft(B, ceil(tau)) + (G - 1) * draft(B, 1))
