@@ -9,10 +9,11 @@ import re
 import shutil
 import subprocess
 
+import matplotlib.pyplot as plt
 import pytest
 
 from cospec.cli import main
-from cospec.metrics.report import write_report
+from cospec.metrics.report import _draw_rollout_speedup, write_report
 
 MODES = ("none", "frozen", "cotrain-ce")
 FIGURES = ("reward_vs_step.png", "tau_and_kl_vs_step.png", "acceptance_by_position.png",
@@ -100,3 +101,19 @@ def test_the_summary_compares_rollouts_per_generated_token_as_well_as_per_step()
     row = summarise(runs)["frozen"]
     assert row["rollout_speedup_vs_none"] == 2.0
     assert row["rollout_tok_s"] == 100.0 and row["rollout_tok_s_speedup_vs_none"] == 1.0
+
+
+def test_the_speedup_figure_shows_paired_speedups_where_the_benchmark_has_them():
+    """Paired (plain timed on each run's own lengths) when every row has them; older benchmark
+    files without them still draw, unpaired."""
+    row = {"batch_size": 1, "speedup": 0.8, "adaptive_speedup": 0.9, "ideal_speedup": 1.5,
+           "paired_speedup": 1.1, "adaptive_paired_speedup": 1.0}
+    for rows, expected in [([row], {"gamma 4, paired": 1.1, "adaptive, paired": 1.0}),
+                           ([{k: v for k, v in row.items() if "paired" not in k}],
+                            {"gamma 4": 0.8, "adaptive": 0.9})]:
+        fig, ax = plt.subplots()
+        _draw_rollout_speedup({"results": rows, "meta": {"gamma": 4}}, ax)
+        lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+        plt.close(fig)
+        assert {k: lines[k] for k in expected} == {k: [v] for k, v in expected.items()}
+

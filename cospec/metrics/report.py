@@ -154,10 +154,16 @@ def _draw_step_time_split(runs: dict[str, list[dict]], ax) -> None:
 
 
 def _draw_rollout_speedup(bench: dict, ax) -> None:
+    """Paired speedups where the benchmark has them (plain decoding timed on each run's own
+    response lengths: docs/design.md, "Paired speedups"), else the unpaired ones."""
     rows = bench["results"]
     bs = [r["batch_size"] for r in rows]
-    ax.plot(bs, [r["speedup"] for r in rows], "o-", label=f"gamma {bench.get('meta', {}).get('gamma', '')}")
-    ax.plot(bs, [r["adaptive_speedup"] for r in rows], "s-", label="adaptive")
+    paired = all("paired_speedup" in r for r in rows)
+    spec, adaptive, how = (("paired_speedup", "adaptive_paired_speedup", ", paired") if paired
+                           else ("speedup", "adaptive_speedup", ""))
+    gamma = bench.get("meta", {}).get("gamma", "")
+    ax.plot(bs, [r[spec] for r in rows], "o-", label=f"gamma {gamma}{how}")
+    ax.plot(bs, [r[adaptive] for r in rows], "s-", label=f"adaptive{how}")
     ax.plot(bs, [r["ideal_speedup"] for r in rows], "x--", label="ideal (cost model)")
     ax.axhline(1.0, color="gray", lw=0.8)
     ax.set_xscale("log", base=2)
