@@ -53,6 +53,8 @@ def draft_fields(cfg: RunConfig, policy_fields: dict | None = None) -> dict:
     c = dataclasses.asdict(cfg)
     policy = policy_fields or ({"model": c["model"]} if cfg.model.path else sft_fields(cfg))
     draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS}
+    if not draft["layer_from_policy"]:  # added later: at its default, older drafts still match
+        del draft["layer_from_policy"]
     sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
     return {"policy": policy, "task": c["task"], "sampling": sampling,
             "rollout_dtype": c["rollout"]["dtype"], "draft": draft}

@@ -88,6 +88,14 @@ def test_a_draft_records_the_policy_it_was_trained_on():
     assert draft_fields(apply(cfg, {"draft": {"mode": "frozen", "oracle_every": 3}})) == draft_fields(cfg)
 
 
+def test_a_draft_field_added_later_changes_no_fingerprint_at_its_default():
+    """`draft.layer_from_policy` came after drafts were saved: off, it is left out of the fields,
+    so those drafts are still reused; on, it makes another draft."""
+    cfg = resolve("tiny")
+    assert "layer_from_policy" not in draft_fields(cfg)["draft"]
+    assert draft_fields(apply(cfg, {"draft": {"layer_from_policy": True}}))["draft"]["layer_from_policy"]
+
+
 def test_the_demo_takes_grpo_steps_from_a_config_file(tmp_path):
     """No command overrides a config file's value: the demo's budget is the default recipe's."""
     (tmp_path / "demo.yaml").write_text("grpo:\n  steps: 1\n  eval_every: 0\n")

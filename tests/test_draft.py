@@ -395,3 +395,31 @@ def test_draft_autocast_runs_the_training_forwards_in_bf16_and_updates_like_fp32
     assert loss16 != loss32 and abs(loss16 - loss32) < 0.01 * loss32
     assert not torch.equal(delta16, delta32)
     assert torch.nn.functional.cosine_similarity(delta16, delta32, dim=0) > 0.99
+
+
+def test_a_draft_layer_copied_from_the_policy_starts_as_the_layer_after_the_high_tap(policy):
+    """With `layer_from_policy` and the embedding's columns of q, k, v silenced, the draft's hidden
+    at every entry is exactly the policy's next layer applied to the high tap: the policy's own
+    tap of that layer is the oracle."""
+    torch.manual_seed(1)
+    draft = Eagle3Draft.from_policy(policy, layer_from_policy=True)
+    hi = max(draft.tap_layers)
+    tokens = torch.randint(4, CFG.vocab_size, (2, 9))
+    with torch.no_grad():
+        out = policy(tokens, tap_layers=(*draft.tap_layers, hi + 1))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            getattr(draft.layers["0"].self_attn, name).weight[:, :CFG.hidden_size] = 0
+        hidden = draft(tokens, draft.project(out.taps)).hidden
+    torch.testing.assert_close(hidden, out.taps[hi + 1], atol=1e-5, rtol=1e-5)
+    # the embedding and head copies stay as before
+    assert torch.equal(draft.embed_tokens.weight, policy.embed_tokens.weight)
+
+
+def test_layer_from_policy_is_for_an_eagle3_draft_of_the_policys_mlp_size():
+    for bad in ({"kind": "block"}, {"intermediate_size": 96}, {"init_from_policy": False}):
+        with pytest.raises(ValueError, match="draft.layer_from_policy"):
+            resolve("tiny", overrides=["draft.layer_from_policy=true",
+                                       *(f"draft.{k}={v}" for k, v in bad.items())])
+    small = Eagle3Draft(CFG, intermediate_size=96)
+    with pytest.raises(ValueError, match="MLP the policy's size"):
+        small.copy_layer_from_policy(Transformer(CFG))

@@ -70,7 +70,7 @@ def smollm2_math() -> RunConfig:
         "draft": {"mode": "cotrain", "vocab_size": 8192, "num_train_prompts": 512,
                   "cotrain_max_tokens": 2048,
                   "train_steps": 300, "tokens_per_batch": 2048, "freeze_embedding": True,
-                  "autocast": "bfloat16"},
+                  "layer_from_policy": True, "autocast": "bfloat16"},
         "rollout": {"speculative": True, "gamma": 4, "adaptive": True, "dtype": "bfloat16"},
         "grpo": {"steps": 10, "prompts_per_step": 8, "group_size": 8, "lr": 1e-6, "log_kl": False,
                  "autocast": "bfloat16",

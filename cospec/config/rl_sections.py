@@ -37,6 +37,12 @@ class DraftConfig:
     lm_num_layers: int = 1
     #: copy the policy's embedding and LM head into the draft at construction
     init_from_policy: bool = True
+    #: eagle3: also start the draft's decoder layer as a copy of the policy's layer after the
+    #: high tap, fc passing the high tap through (`Eagle3Draft.copy_layer_from_policy`; needs
+    #: intermediate_size 0). On SmolLM2 it raised held-out acceptance by ~0.07 at every TTT step
+    #: (tau 1.71 -> 1.88); on the embedded 6-layer policy it lowered tau (2.76 -> 2.61), so it is
+    #: the smollm2-math recipe's choice, not the default (docs/results/real_model.md)
+    layer_from_policy: bool = False
     #: keep the draft's (copied) input embedding fixed in offline training and co-training
     #: (EAGLE-3 shares the target's; on a 49K vocabulary it is most of the draft's parameters and
     #: overfits a few thousand samples)
@@ -103,6 +109,10 @@ class DraftConfig:
         _check(self.vocab_size == 0 or self.kind != "lm", "draft.vocab_size",
                "a reduced draft vocabulary is for draft.kind=eagle3 or block (set 0 for lm)")
         _check(self.lm_num_layers > 0, "draft.lm_num_layers", "must be positive")
+        _check(not self.layer_from_policy or (self.kind == "eagle3" and self.init_from_policy
+                                              and self.intermediate_size == 0),
+               "draft.layer_from_policy", "copies a policy layer into the eagle3 draft: it needs "
+               "draft.kind=eagle3, draft.init_from_policy=true and draft.intermediate_size=0")
         for n in ("train_steps", "tokens_per_batch", "num_train_prompts", "ttt_steps"):
             _check(getattr(self, n) > 0, f"draft.{n}", f"must be positive, got {getattr(self, n)}")
         _check(self.lr > 0, "draft.lr", f"must be positive, got {self.lr}")

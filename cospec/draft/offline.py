@@ -67,7 +67,8 @@ def build_draft(cfg: RunConfig, policy: Transformer,
     if d.kind == "eagle3":
         return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers,
                                        intermediate_size=d.intermediate_size,
-                                       init_from_policy=d.init_from_policy, vocab_ids=vocab_ids)
+                                       init_from_policy=d.init_from_policy,
+                                       layer_from_policy=d.layer_from_policy, vocab_ids=vocab_ids)
     if d.kind == "block":
         return BlockDraft.from_policy(policy, tap_layers=d.tap_layers, num_layers=d.block_layers,
                                       intermediate_size=d.intermediate_size,
