@@ -423,3 +423,6 @@ def test_layer_from_policy_is_for_an_eagle3_draft_of_the_policys_mlp_size():
     small = Eagle3Draft(CFG, intermediate_size=96)
     with pytest.raises(ValueError, match="MLP the policy's size"):
         small.copy_layer_from_policy(Transformer(CFG))
+    last = Eagle3Draft(CFG, tap_layers=(1, 3, 5))
+    with pytest.raises(ValueError, match="the policy's last layer"):
+        last.copy_layer_from_policy(Transformer(CFG))

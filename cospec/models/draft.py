@@ -221,7 +221,10 @@ class Eagle3Draft(TappedDraft):
         same 240 steps: held-out acceptance +0.06-0.07 at every TTT step, tau 1.71 -> 1.88 in
         rollouts; docs/results/real_model.md)."""
         C, hi = self.config.hidden_size, max(self.tap_layers)
-        src_id = min(hi + 1, policy.config.num_layers - 1)
+        src_id = hi + 1
+        if src_id >= policy.config.num_layers:
+            raise ValueError(f"draft.layer_from_policy copies the layer after the high tap, but the "
+                             f"high tap {hi} is the policy's last layer")
         if str(src_id) not in policy.layers:
             raise ValueError(f"draft.layer_from_policy copies the policy's layer {src_id}, which "
                              "this model (a pipeline stage?) does not hold")
