@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from cospec.config import ConfigError, RunConfig
+from cospec.config import ConfigError, DraftConfig, RunConfig
 from cospec.data.tokenizer import CharTokenizer, Tokenizer
 from cospec.models.integrity import NonFiniteError, nonfinite_names, read_json_object
 from cospec.models.llama import Transformer
@@ -36,6 +36,9 @@ MADE_BY = "made_by.json"
 #: draft fields that only co-training and the oracle read (not the offline training)
 _ONLINE_DRAFT_FIELDS = ("mode", "cotrain_every", "cotrain_iters", "cotrain_lr",
                         "cotrain_max_tokens", "oracle_every")
+#: Draft fields added after drafts were saved: left out of the fingerprint at their default, so
+#: those drafts are still reused; set otherwise, they make another draft.
+_LATER_DRAFT_FIELDS = ("layer_from_policy",)
 
 
 def sft_fields(cfg: RunConfig) -> dict:
@@ -52,9 +55,9 @@ def draft_fields(cfg: RunConfig, policy_fields: dict | None = None) -> dict:
     and its own offline fields."""
     c = dataclasses.asdict(cfg)
     policy = policy_fields or ({"model": c["model"]} if cfg.model.path else sft_fields(cfg))
-    draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS}
-    if not draft["layer_from_policy"]:  # added later: at its default, older drafts still match
-        del draft["layer_from_policy"]
+    default = dataclasses.asdict(DraftConfig())
+    draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS
+             and not (k in _LATER_DRAFT_FIELDS and v == default[k])}
     sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
     return {"policy": policy, "task": c["task"], "sampling": sampling,
             "rollout_dtype": c["rollout"]["dtype"], "draft": draft}

@@ -116,4 +116,3 @@ def test_the_speedup_figure_shows_paired_speedups_where_the_benchmark_has_them()
         lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
         plt.close(fig)
         assert {k: lines[k] for k in expected} == {k: [v] for k, v in expected.items()}
-
