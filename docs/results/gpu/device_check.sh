@@ -4,7 +4,9 @@
 #
 #   run(command="bash docs/results/gpu/device_check.sh", carry=["runs/default"], timeout_s=540)
 #
-# or name some checks: `bash docs/results/gpu/device_check.sh rollout demo`. The checks, in order:
+# (the limits below add up to 480 s; a lease is 15 minutes, the start included, which leaves room
+# to run one check again) or name some: `bash docs/results/gpu/device_check.sh rollout demo`.
+# The checks, in order:
 #   env       torch, the GPU
 #   engines   docs/results/gpu/cuda_checks.py: greedy plain / speculative / adaptive tokens equal on
 #             the GPU, and the device syncs of a speculative step (issue 16: at most 2 a step)
@@ -22,7 +24,8 @@
 # transformers, rich, matplotlib and pyyaml; nothing can be installed there, so cospec runs from the
 # tree (PYTHONPATH). Each check has its own time limit and leaves its log and JSON under $OUT,
 # which comes back; a check that fails or runs out of time does not stop the others. On a machine
-# without a GPU the same pass runs on the CPU (how it was tried before any GPU was lent).
+# without a GPU the same pass runs on the CPU, slowly (LIMIT_SCALE=10): env and engines were tried
+# so, and block up to its limit, before any GPU was lent.
 set -u
 cd "$(dirname "$0")/../../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -45,18 +48,18 @@ check() {  # check NAME SECONDS COMMAND...: run it under its limit, its output t
 
 for c in $CHECKS; do
   case $c in
-    env) check env 60 $PY -c "import torch; c = torch.cuda.is_available(); print(torch.__version__, \
+    env) check env 30 $PY -c "import torch; c = torch.cuda.is_available(); print(torch.__version__, \
 'cuda' if c else 'cpu', torch.cuda.get_device_name(0) if c else '', torch.get_num_threads(), 'threads')";;
     engines) check engines 90 $PY docs/results/gpu/cuda_checks.py "$OUT/engines.json";;
-    rollout) check rollout 170 $PY -m cospec bench rollout --no-hf --reuse --json "$OUT/rollout.json" \
+    rollout) check rollout 150 $PY -m cospec bench rollout --no-hf --reuse --json "$OUT/rollout.json" \
         out_dir=runs/default;;
     block)
       mkdir -p runs/device-block8
       cp -r runs/default/sft runs/default/sft_metrics.json runs/device-block8/
-      check block 150 $PY -m cospec bench rollout --quick --no-hf --drafts block \
+      check block 120 $PY -m cospec bench rollout --quick --no-hf --drafts block \
         --batch-sizes 1,16 --json "$OUT/rollout_block.json" \
         out_dir=runs/device-block8 rollout.gamma=8 draft.ttt_steps=8;;
-    demo) check demo 120 $PY -m cospec demo --reuse out_dir=runs/default \
+    demo) check demo 90 $PY -m cospec demo --reuse out_dir=runs/default \
         && cp runs/default/summary.json "$OUT/demo_summary.json" 2>/dev/null;;
     *) echo "unknown check $c (env engines rollout block demo)";;
   esac
