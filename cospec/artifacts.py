@@ -36,6 +36,8 @@ MADE_BY = "made_by.json"
 #: draft fields that only co-training and the oracle read (not the offline training)
 _ONLINE_DRAFT_FIELDS = ("mode", "cotrain_every", "cotrain_iters", "cotrain_lr",
                         "cotrain_max_tokens", "oracle_every")
+#: draft fields that change how offline training runs, not the draft it makes
+_RUN_DRAFT_FIELDS = ("answer_batch_size", "num_eval_prompts", "eval_every", "checkpoint_every")
 #: Draft fields added after drafts were saved: left out of the fingerprint at their default, so
 #: those drafts are still reused; set otherwise, they make another draft.
 _LATER_DRAFT_FIELDS = ("layer_from_policy",)
@@ -56,11 +58,33 @@ def draft_fields(cfg: RunConfig, policy_fields: dict | None = None) -> dict:
     c = dataclasses.asdict(cfg)
     policy = policy_fields or ({"model": c["model"]} if cfg.model.path else sft_fields(cfg))
     default = dataclasses.asdict(DraftConfig())
-    draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS
+    draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS + _RUN_DRAFT_FIELDS
              and not (k in _LATER_DRAFT_FIELDS and v == default[k])}
     sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
     return {"policy": policy, "task": c["task"], "sampling": sampling,
             "rollout_dtype": c["rollout"]["dtype"], "draft": draft}
+
+
+def answer_fields(cfg: RunConfig, policy_fields: dict) -> dict:
+    """What the answers offline draft training learns from are made from (`cospec.draft.
+    answer_store`): the policy, the prompts (task and draft.seed), the sampling and the rollout
+    dtype. Not the number of prompts (a later run may ask for more) nor the batch that samples them."""
+    c = dataclasses.asdict(cfg)
+    sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
+    return {"policy": policy_fields, "task": c["task"], "sampling": sampling,
+            "rollout_dtype": c["rollout"]["dtype"], "seed": cfg.draft.seed}
+
+
+def answer_store(cfg: RunConfig, policy_fields: dict):
+    """out_dir/draft_answers/<fingerprint of `answer_fields`>, stamped, as an `AnswerStore`."""
+    from cospec.draft.answer_store import AnswerStore
+
+    fields = answer_fields(cfg, policy_fields)
+    path = Path(cfg.out_dir) / "draft_answers" / fingerprint(fields)[:16]
+    if read_stamp(path) is None:
+        path.mkdir(parents=True, exist_ok=True)
+        write_made_by(path, fields)
+    return AnswerStore(path)
 
 
 def fingerprint(fields: dict) -> str:
@@ -195,29 +219,43 @@ def load_policy(cfg: RunConfig, device: torch.device, *, reuse: bool = False) ->
 
 
 def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = False,
-                        data=None, progress: bool = True, reuse: bool = False):
+                        data=None, progress: bool = True, reuse: bool = False, fresh: bool = False):
     """Reuse the saved draft of ``draft.kind`` when it was made from the same fields
     (`draft_fields`: the policy's among them; or `reuse`) and fits the policy, else train and save
-    one. Returns (draft, metrics or None when reused)."""
+    one: from the answers kept in out_dir/draft_answers (`cospec.draft.answer_store`), resuming an
+    interrupted training of the same fields from out_dir/<draft dir>.partial unless ``fresh``
+    (`cospec.draft.offline_checkpoint`); its metrics go to train_metrics.json and
+    training_curve.png beside it. Returns (draft, metrics or None when reused)."""
     from cospec.draft.offline import draft_dir, draft_fits, train_draft_offline
+    from cospec.draft.offline_checkpoint import OfflineCheckpoint
+    from cospec.metrics.draft_training import plot_draft_training
     from cospec.models.draft_checkpoint import load_draft, save_draft
 
     path = draft_dir(cfg)
     device = next(policy.parameters()).device
-    fields = draft_fields(cfg, starting_policy_fields(cfg))
+    policy_fields = starting_policy_fields(cfg)
+    fields = draft_fields(cfg, policy_fields)
     if (not force and path.exists()
             and reuse_decision(path, fields, reuse=reuse, what="draft")):
         draft = load_draft(path, device=device)
         if draft_fits(draft, cfg, policy):
             return draft.eval(), None
         print(f"draft {path} does not fit this policy and draft config: retraining")
-    draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress)
+    checkpoint = OfflineCheckpoint(path.with_name(path.name + ".partial"), fingerprint(fields))
+    if fresh:
+        checkpoint.remove()
+    answers = answer_store(cfg, policy_fields)
+    draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress, answers=answers,
+                                         checkpoint=checkpoint)
     bad = nonfinite_names(draft.state_dict())
     if bad:  # saved, every later command would refuse it as a bad file
         raise NonFiniteError(f"offline draft training diverged (final loss {metrics['final_loss']}): "
                              f"non-finite weights in {', '.join(bad[:3])}; nothing saved (lower "
                              f"draft.lr?)")
     save_draft(draft, path)
+    (path / "train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    plot_draft_training(metrics, path / "training_curve.png")
     write_made_by(path, fields)
+    checkpoint.remove()
     print(f"saved draft to {path}")
     return draft, metrics

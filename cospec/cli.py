@@ -185,13 +185,17 @@ def cmd_draft_train(args) -> int:
     device = pick_device(cfg.device)
     start = load_policy(cfg, device, reuse=args.reuse)
     policy, data = start.policy, TaskData.from_config(cfg.task, start.tokenizer)
-    draft, metrics = load_or_train_draft(cfg, policy, force=True, data=data)
+    draft, metrics = load_or_train_draft(cfg, policy, force=True, data=data, fresh=args.fresh)
     print(f"draft ({cfg.draft.kind}): {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
           f"{metrics['num_tokens']} policy-sampled tokens, {cfg.draft.train_steps} steps in "
           f"{metrics['train_seconds']:.0f}s, final loss {metrics['final_loss']:.3f}")
     if "acceptance" in metrics["last_batch"]:
         acc = ", ".join(f"{a:.2f}" for a in metrics["last_batch"]["acceptance"])
         print(f"teacher-forced acceptance (1 - TV) by TTT step on the last batch: {acc}")
+    for h in metrics["held_out"]:
+        key = "acceptance" if "acceptance" in h else "ce"
+        print(f"  held-out ({metrics['num_held_out_answers']} answers) at step {h['step']}: {key} "
+              + ", ".join(f"{a:.2f}" for a in h[key]))
     spec, plain = measure_speculation(cfg, policy, draft, data)
     st = spec.stats
     print(f"speculative sampling on 64 held-out prompts, gamma={cfg.rollout.gamma}, batch "
@@ -338,7 +342,11 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default="report", help="output directory (report.html + PNGs)")
     rp.add_argument("--bench", help="a `cospec bench rollout --json` file for speedup vs batch size")
     _command(sub, "demo", cmd_demo, "the main job on the embedded default config")
-    _command(sub, "draft-train", cmd_draft_train, "train a draft on the SFT policy's samples")
+    dt = _command(sub, "draft-train", cmd_draft_train, "train a draft on the SFT policy's samples "
+                  "(resumes an interrupted one; the answers are kept in out_dir/draft_answers)")
+    dt.add_argument("--fresh", action="store_true",
+                    help="discard an interrupted draft training instead of resuming it (the kept "
+                         "answers stay)")
     r = _command(sub, "train", cmd_train, "GRPO from the SFT policy (plain or speculative rollouts)")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")

@@ -92,6 +92,21 @@ def test_greedy_speculation_equals_greedy_plain_decoding_token_for_token(policy,
         assert spec.stats.acceptance_by_position == [1.0] * gamma
 
 
+@pytest.mark.parametrize("engine", ["plain", "speculative"])
+def test_each_answer_is_handed_over_once_as_it_finishes(policy, engine):
+    """`on_answer` sees every completion once, finished, before generate returns: the answers a
+    caller keeps on disk as they come (`cospec.draft.answer_store`) are the ones returned."""
+    prompts = make_prompts(PROMPT_LENGTHS)
+    sampling = SamplingConfig(temperature=1.0, max_new_tokens=10)
+    make = (lambda: GenerationEngine(policy, batch_size=3) if engine == "plain"
+            else SpeculativeEngine(policy, drafts_for(policy)["lm"], batch_size=3, gamma=3))
+    seen = []
+    result = make().generate(prompts, sampling, seeds=list(range(len(prompts))),
+                             on_answer=lambda c: seen.append((c.index, list(c.tokens), c.finish_reason)))
+    assert sorted(seen) == [(c.index, c.tokens, c.finish_reason) for c in result.completions]
+    assert all(reason is not None for _, _, reason in seen)
+
+
 def test_returned_logprobs_equal_the_policys_full_forward_logprobs(policy):
     draft = drafts_for(policy)["lm"]
     sampling = SamplingConfig(temperature=0.8, top_p=0.95, max_new_tokens=16)

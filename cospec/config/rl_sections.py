@@ -53,8 +53,23 @@ class DraftConfig:
     tokens_per_batch: int = 2048
     #: offline training: peak learning rate (AdamW, warmup then cosine)
     lr: float = 2e-3
-    #: offline training: prompts the policy answers to make the training data
+    #: offline training: prompts the policy answers to make the training data (kept in
+    #: out_dir/draft_answers: a later draft-train with the same policy and sampling reuses them,
+    #: and one with more prompts makes only the new answers)
     num_train_prompts: int = 1024
+    #: offline training: rows of the engine that samples those answers (0 = sampling.batch_size).
+    #: Each answer draws from its own prompt's random stream, so this changes the speed only (on
+    #: SmolLM2, batch 64 gave 1.47x the tokens/s of batch 16: docs/results/real_model.md)
+    answer_batch_size: int = 0
+    #: offline training: held-out prompts (a prompt stream of their own) whose answers measure the
+    #: draft's teacher-forced acceptance as it trains; 0 = none
+    num_eval_prompts: int = 64
+    #: offline training: measure that held-out acceptance every this many steps (and at the end;
+    #: 0 = only at the end)
+    eval_every: int = 100
+    #: offline training: keep the draft and its optimizer in out_dir every this many steps, so an
+    #: interrupted draft-train resumes there (0 = never)
+    checkpoint_every: int = 100
     #: training-time-test unroll depth (EAGLE-3): steps ahead the draft is trained for; for the
     #: block draft, the block positions trained (set it to rollout.gamma)
     ttt_steps: int = 3
@@ -113,6 +128,8 @@ class DraftConfig:
                                               and self.intermediate_size == 0),
                "draft.layer_from_policy", "copies a policy layer into the eagle3 draft: it needs "
                "draft.kind=eagle3, draft.init_from_policy=true and draft.intermediate_size=0")
+        for n in ("answer_batch_size", "num_eval_prompts", "eval_every", "checkpoint_every"):
+            _check(getattr(self, n) >= 0, f"draft.{n}", f"must be >= 0, got {getattr(self, n)}")
         for n in ("train_steps", "tokens_per_batch", "num_train_prompts", "ttt_steps"):
             _check(getattr(self, n) > 0, f"draft.{n}", f"must be positive, got {getattr(self, n)}")
         _check(self.lr > 0, "draft.lr", f"must be positive, got {self.lr}")

@@ -1,12 +1,16 @@
 """Offline draft training (`cospec draft-train`): fit a draft to a fixed policy on its own samples.
 
 1. The policy answers ``draft.num_train_prompts`` prompts of the task suite at the rollout sampling
-   temperature (the draft must predict what the policy *samples*, not the SFT references).
+   temperature (the draft must predict what the policy *samples*, not the SFT references), and
+   ``draft.num_eval_prompts`` held-out prompts of another stream; `cospec draft-train` keeps the
+   answers in out_dir as they finish and reuses them (`cospec.draft.answer_store`).
 2. One policy forward per packed batch of those sequences gives, detached, the tapped features and
    the logits; they are kept (no policy forward is repeated across epochs).
-3. The draft trains on them: EAGLE-3 with the TTT unroll (`cospec.draft.ttt`), a standalone draft LM
-   with plain next-token soft cross-entropy; both against the policy's distribution, on response
-   positions only.
+3. The draft trains on them (`fit_draft`): EAGLE-3 with the TTT unroll (`cospec.draft.ttt`), a
+   standalone draft LM with plain next-token soft cross-entropy; both against the policy's
+   distribution, on response positions only. Its teacher-forced acceptance on the held-out answers
+   is measured every ``draft.eval_every`` steps, and its state kept every
+   ``draft.checkpoint_every`` steps so an interrupted run resumes (`cospec.draft.offline_checkpoint`).
 The result is the "frozen" draft that later experiments compare against, and the initial draft of
 co-training.
 """
@@ -18,19 +22,19 @@ import time
 
 import torch
 
-from cospec.config import RunConfig, SamplingConfig
+from cospec.config import RunConfig
 from cospec.data.packing import pack_examples
 from cospec.data.prompts import TaskData
+from cospec.draft.answer_store import Answer, AnswerStore, policy_answers
 from cospec.draft.losses import draft_targets, masked_mean, soft_cross_entropy
+from cospec.draft.offline_checkpoint import OfflineCheckpoint
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
 from cospec.models.block_draft import BlockDraft
 from cospec.models.draft import Eagle3Draft, TappedDraft, default_tap_layers, draft_model_config
 from cospec.models.llama import Transformer
-from cospec.models.loading import inference_copy
 from cospec.models.precision import autocast
-from cospec.rollout.engine import GenerationEngine
 
 
 def draft_vocabulary(responses: list[list[int]], size: int, vocab_size: int,
@@ -93,21 +97,13 @@ def task_data(cfg: RunConfig, data: TaskData | None) -> TaskData:
 
 
 def sample_responses(cfg: RunConfig, policy: Transformer, data: TaskData, *,
-                     progress: bool = True) -> list:
-    """Step 1: the policy answers draft.num_train_prompts prompts at the rollout sampling."""
-    d = cfg.draft
-    rng = random.Random(d.seed + 777)  # a prompt stream of its own
-    examples = [data.source.sample(rng) for _ in range(d.num_train_prompts)]
-    prompts = [data.prompt_ids(e) for e in examples]
-    device = next(policy.parameters()).device
-    sampling = SamplingConfig(temperature=cfg.sampling.temperature, top_k=cfg.sampling.top_k,
-                              top_p=cfg.sampling.top_p, max_new_tokens=cfg.sampling.max_new_tokens)
-    if cfg.rollout.dtype:  # the answers rollouts would give (and faster to make)
-        policy = inference_copy(policy, cfg.rollout.dtype)
-    engine = GenerationEngine(policy, batch_size=cfg.sampling.batch_size,
-                              stop_ids=data.tokenizer.stop_ids)
-    gen = torch.Generator(device=device).manual_seed(d.seed)
-    return engine.generate(prompts, sampling, generator=gen, progress=progress).completions
+                     progress: bool = True, split: str = "train",
+                     store: AnswerStore | None = None) -> list[Answer]:
+    """Step 1: the policy answers draft.num_train_prompts prompts (draft.num_eval_prompts for
+    the held-out split) at the rollout sampling; kept in ``store`` when given
+    (`cospec.draft.answer_store`)."""
+    count = cfg.draft.num_train_prompts if split == "train" else cfg.draft.num_eval_prompts
+    return policy_answers(cfg, policy, data, split, count, store=store, progress=progress)
 
 
 def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
@@ -148,32 +144,92 @@ def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple
     return loss, {"ce": [loss.item()]}
 
 
+def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str, list[float]]:
+    """The training loss's metrics (per TTT step: acceptance = 1 - TV, ce, tv; the draft LM: ce)
+    on answers the draft does not train on, each averaged over their answer tokens, no gradient."""
+    sums, count = {}, 0
+    was_training = draft.training
+    draft.eval()
+    with torch.no_grad():
+        for b in batches:
+            if isinstance(draft, TappedDraft):
+                _, m = ttt_loss(draft, b, num_steps=cfg.draft.ttt_steps,
+                                temperature=cfg.sampling.temperature)
+            else:
+                _, m = lm_draft_loss(draft, b, cfg.sampling.temperature)
+            n = int(b.loss_mask.sum())
+            for k, v in m.items():
+                sums[k] = [a + n * x for a, x in zip(sums.get(k, [0.0] * len(v)), v)]
+            count += n
+    draft.train(was_training)
+    return {k: [x / max(count, 1) for x in v] for k, v in sums.items()}
+
+
 def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data: TaskData | None = None,
-                        progress: bool = True) -> tuple[TappedDraft | Transformer, dict]:
-    """Steps 1-3; returns the trained draft and metrics (loss history, per-step acceptance).
-    data: the prompts and tokenizer (default: the run's, `task_data`)."""
+                        progress: bool = True, answers: AnswerStore | None = None,
+                        checkpoint: OfflineCheckpoint | None = None,
+                        evaluate: bool = True) -> tuple[TappedDraft | Transformer, dict]:
+    """Steps 1-3; returns the trained draft and metrics (`fit_draft`'s, and the data's size).
+    data: the prompts and tokenizer (default: the run's, `task_data`); answers: where the sampled
+    answers are kept and reused; checkpoint: where the training state is kept every
+    draft.checkpoint_every steps and resumed from (`cospec.artifacts.load_or_train_draft` passes
+    both, in out_dir; without them everything stays in memory, as for the oracle's retraining);
+    evaluate: measure the draft on draft.num_eval_prompts held-out answers as it trains."""
     d = cfg.draft
     policy.eval()
     data = task_data(cfg, data)
     t0 = time.perf_counter()
-    completions = sample_responses(cfg, policy, data, progress=progress)
+    completions = sample_responses(cfg, policy, data, progress=progress, store=answers)
+    held = (sample_responses(cfg, policy, data, progress=progress, split="held_out", store=answers)
+            if evaluate and d.num_eval_prompts else [])
+    state = checkpoint.load(next(policy.parameters()).device) if checkpoint is not None else None
     if draft is None:
-        vocab_ids = (draft_vocabulary([c.tokens for c in completions], d.vocab_size,
-                                      policy.config.vocab_size, keep=data.tokenizer.stop_ids)
-                     if d.vocab_size else None)
+        if state is not None:  # the vocabulary the interrupted run chose
+            vocab_ids = state["vocab_ids"]
+        else:
+            vocab_ids = (draft_vocabulary([c.tokens for c in completions], d.vocab_size,
+                                          policy.config.vocab_size, keep=data.tokenizer.stop_ids)
+                         if d.vocab_size else None)
         draft = build_draft(cfg, policy, vocab_ids)
-    batches = policy_batches(cfg, policy, completions,
-                             vocab_ids=getattr(draft, "vocab_ids", None))
+    vocab_ids = getattr(draft, "vocab_ids", None)
+    batches = policy_batches(cfg, policy, completions, vocab_ids=vocab_ids)
+    held_batches = policy_batches(cfg, policy, held, vocab_ids=vocab_ids) if held else []
     data_seconds = time.perf_counter() - t0
+    metrics = fit_draft(cfg, draft, batches, held_batches, state=state, checkpoint=checkpoint,
+                        progress=progress)
+    metrics.update(num_batches=len(batches), num_tokens=sum(int(b.tokens.numel()) for b in batches),
+                   num_answers=len(completions), num_held_out_answers=len(held),
+                   data_seconds=data_seconds, kind=d.kind)
+    return draft, metrics
+
+
+def fit_draft(cfg: RunConfig, draft, batches: list[TTTBatch], held_batches: list[TTTBatch], *,
+              state: dict | None = None, checkpoint: OfflineCheckpoint | None = None,
+              progress: bool = True) -> dict:
+    """Step 3: draft.train_steps AdamW steps (warmup, then cosine to a tenth) on batches drawn at
+    random from ``batches``; the held-out metrics (`held_out_metrics`) at step 0, every
+    draft.eval_every steps and at the end; the state kept in ``checkpoint`` every
+    draft.checkpoint_every steps, and resumed from ``state`` (what the checkpoint held).
+    Returns loss_history, final_loss, last_batch (the last step's metrics), held_out (a list of
+    {"step", metric: per-TTT-step values}) and train_seconds (resumed runs included)."""
+    d, device = cfg.draft, next(draft.parameters()).device
     opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
                             weight_decay=0.0)
     order = random.Random(d.seed)
-    device = next(draft.parameters()).device
-    history, last = [], {}
+    history, held_out, last, start, seconds_before = [], [], {}, 0, 0.0
+    if state is not None:
+        draft.load_state_dict(state["draft"])
+        opt.load_state_dict(state["optimizer"])
+        order.setstate(_as_random_state(state["order"]))
+        history, held_out, start = list(state["history"]), list(state["held_out"]), state["step"]
+        seconds_before = state["train_seconds"]
+        print(f"resuming draft training at step {start} of {d.train_steps} from {checkpoint.path}")
+    elif held_batches:
+        held_out.append({"step": 0, **held_out_metrics(draft, held_batches, cfg)})
     draft.train()
     t1 = time.perf_counter()
-    with progress_bar(progress, d.train_steps, "draft-train") as advance:
-        for step in range(d.train_steps):
+    with progress_bar(progress, d.train_steps - start, "draft-train") as advance:
+        for step in range(start, d.train_steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),
                                 total=d.train_steps, min_ratio=0.1)
@@ -189,14 +245,34 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
             opt.step()
             history.append(loss.item())
-            advance(f"loss {history[-1]:.3f}")
+            done = step + 1
+            if held_batches and ((d.eval_every and done % d.eval_every == 0) or done == d.train_steps):
+                held_out.append({"step": done, **held_out_metrics(draft, held_batches, cfg)})
+            advance(f"loss {history[-1]:.3f}" + _held_out_note(held_out))
+            if checkpoint is not None and d.checkpoint_every and done % d.checkpoint_every == 0 \
+                    and done < d.train_steps:
+                checkpoint.save({"draft": draft.state_dict(), "optimizer": opt.state_dict(),
+                                 "vocab_ids": getattr(draft, "vocab_ids", None),
+                                 "order": order.getstate(), "step": done, "history": history,
+                                 "held_out": held_out,
+                                 "train_seconds": seconds_before + time.perf_counter() - t1})
     draft.eval()
-    metrics = {"loss_history": history, "final_loss": sum(history[-20:]) / len(history[-20:]),
-               "last_batch": last, "num_batches": len(batches),
-               "num_tokens": sum(int(b.tokens.numel()) for b in batches),
-               "data_seconds": data_seconds, "train_seconds": time.perf_counter() - t1,
-               "kind": d.kind}
-    return draft, metrics
+    return {"loss_history": history, "final_loss": sum(history[-20:]) / max(len(history[-20:]), 1),
+            "last_batch": last, "held_out": held_out,
+            "train_seconds": seconds_before + time.perf_counter() - t1}
+
+
+def _held_out_note(held_out: list[dict]) -> str:
+    if not held_out or "acceptance" not in held_out[-1]:
+        return ""
+    acc = " / ".join(f"{a:.2f}" for a in held_out[-1]["acceptance"])
+    return f", held-out acceptance {acc} (step {held_out[-1]['step']})"
+
+
+def _as_random_state(state) -> tuple:
+    """random.Random.setstate wants tuples; a state read back through torch.load may hold lists."""
+    version, internal, gauss = state
+    return (version, tuple(internal), gauss)
 
 
 def draft_dir(cfg: RunConfig, kind: str | None = None):

@@ -217,7 +217,7 @@ class GRPOTrainer:
             return {}
         if d.mode == "oracle" and (self.step + 1) % d.oracle_every == 0:
             _, m = train_draft_offline(self.cfg, self.policy.eval(), draft=self.draft, data=self.data,
-                                       progress=False)
+                                       progress=False, evaluate=False)
             self.policy.train()
             return {"draft_loss": m["final_loss"], "draft_acceptance_tf": m["last_batch"].get("acceptance")}
         if not self._draft_data:

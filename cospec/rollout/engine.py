@@ -38,7 +38,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Collection, Literal
+from typing import Callable, Collection, Literal
 
 import torch
 from torch import Tensor
@@ -238,8 +238,8 @@ class GenerationEngine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
                  generator: torch.Generator | None = None, seeds: list[int] | None = None,
-                 progress: bool = False,
-                 response_lengths: list[int] | None = None) -> GenerationResult:
+                 progress: bool = False, response_lengths: list[int] | None = None,
+                 on_answer: Callable[[Completion], None] | None = None) -> GenerationResult:
         """Answer every prompt once; completions in prompt order.
 
         Randomness: with ``seeds`` (one per prompt), every row draws from its own prompt's stream
@@ -251,6 +251,9 @@ class GenerationEngine:
         stop ids ignored. The rollout benchmark times plain decoding on another method's response
         lengths with it: a step's cost depends on the rows' lengths, not on the tokens drawn, so
         this is what plain decoding would have taken for those very responses.
+
+        on_answer: called with each completion as it finishes (in finishing order), e.g. to keep
+        it on disk before the whole call returns (`cospec.draft.answer_store`).
         """
         self.check_prompts(prompts)
         if response_lengths is not None:
@@ -265,8 +268,13 @@ class GenerationEngine:
             generator = streams
         start = time.perf_counter()
         with torch.inference_mode(), progress_bar(progress, len(prompts), "generating") as tick:
+            def finished(row: Completion) -> None:
+                tick()
+                if on_answer is not None:
+                    on_answer(row)
+
             replay = {} if response_lengths is None else {"response_lengths": response_lengths}
-            done, num_forwards = self._run(prompts, sampling, generator, tick, **replay)
+            done, num_forwards = self._run(prompts, sampling, generator, finished, **replay)
             if streams is not None:
                 streams.check_bound()
         seconds = time.perf_counter() - start
@@ -306,7 +314,7 @@ class GenerationEngine:
                 if append_until_finished(row, [tok], [lp], max_new_tokens=budget,
                                          capacity=self.capacity, stop_ids=stop_ids):
                     done[row.index], slots[slot] = row, None
-                    on_finish()
+                    on_finish(row)
 
         while queue or any(s is not None for s in slots):
             free = [s for s, row in enumerate(slots) if row is None][:len(queue)]

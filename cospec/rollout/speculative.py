@@ -114,7 +114,7 @@ class SpeculativeEngine(GenerationEngine):
 
     def generate(self, prompts: list[list[int]], sampling: SamplingConfig, *,
                  generator: torch.Generator | None = None, seeds: list[int] | None = None,
-                 progress: bool = False) -> SpeculativeResult:
+                 progress: bool = False, on_answer=None) -> SpeculativeResult:
         """As `GenerationEngine.generate`, plus ``stats`` (`SpeculationStats`)."""
         if self.controller is not None and not self._calibrated:
             calibrate(self)
@@ -127,7 +127,7 @@ class SpeculativeEngine(GenerationEngine):
         self._overshoot = torch.zeros(4, self.gamma, dtype=torch.float64, device=self.seq_BS.device)
         self._steps_drafted = 0
         result = super().generate(prompts, sampling, generator=generator, seeds=seeds,
-                                  progress=progress)
+                                  progress=progress, on_answer=on_answer)
         self.stats.set_overshoot(self._overshoot.tolist())
         return SpeculativeResult(**vars(result), stats=self.stats)
 
@@ -397,4 +397,4 @@ class SpeculativeEngine(GenerationEngine):
             self._kept += len(row.tokens)
             if finished:
                 done[row.index], self.slots[s] = row, None
-                on_finish()
+                on_finish(row)

@@ -1,0 +1,55 @@
+"""Where an interrupted `cospec draft-train` resumes: the training state of offline draft training.
+
+On a real model the training itself runs for the better part of an hour (SmolLM2: 960 steps in
+44 minutes on 2 CPU cores), so every ``draft.checkpoint_every`` steps the state that decides the
+rest of the run is written to out_dir/<draft dir>.partial/state.pt: the draft's weights and
+reduced vocabulary, the optimizer's moments, the step, the random state of the batch order, and
+the loss and held-out histories so far. The file is written to a temporary name and renamed
+(atomic), and carries the fingerprint of the fields that make the draft (`cospec.artifacts.
+draft_fields`): a run with other fields does not resume from it. It is removed once the trained
+draft is saved. Resumed, the run ends with the same weights, bit for bit, as one never
+interrupted (tests/test_draft_train_resume.py).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+
+class OfflineCheckpoint:
+    """The resumable state of one offline draft training, at ``dir``/state.pt, for the draft
+    fields whose fingerprint is ``key``."""
+
+    def __init__(self, dir: Path, key: str):
+        self.dir, self.key = Path(dir), key
+        self.path = self.dir / "state.pt"
+
+    def load(self, device) -> dict | None:
+        """The saved state, or None when there is none for these fields (saying why, when one
+        exists for others or cannot be read)."""
+        if not self.path.exists():
+            return None
+        try:
+            state = torch.load(self.path, map_location=device, weights_only=True)
+        except Exception as e:  # a damaged file: train from the start rather than fail
+            print(f"warning: cannot read the partial draft training {self.path} ({e}): starting over")
+            return None
+        if state.get("key") != self.key:
+            print(f"the partial draft training {self.path} was made with other settings: starting over")
+            return None
+        return state
+
+    def save(self, state: dict) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / ".state.pt.tmp"
+        torch.save({**state, "key": self.key}, tmp)
+        os.replace(tmp, self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+        (self.dir / ".state.pt.tmp").unlink(missing_ok=True)
+        if self.dir.exists() and not any(self.dir.iterdir()):
+            self.dir.rmdir()

@@ -1,0 +1,194 @@
+"""Specification of a long offline draft training (`cospec draft-train`) that loses nothing: the
+policy's answers are kept in out_dir as they finish and reused by later runs, an interrupted
+training resumes to the very weights of an uninterrupted one, and the draft's acceptance on
+held-out answers is measured as it trains and saved beside it with a figure."""
+
+import json
+
+import pytest
+import torch
+
+from cospec.artifacts import answer_store, load_or_train_draft, starting_policy_fields
+from cospec.cli import main
+from cospec.config import apply, resolve
+from cospec.draft import offline
+from cospec.draft.answer_store import policy_answers
+from cospec.draft.offline import held_out_metrics, policy_batches, task_data
+from cospec.models.llama import Transformer
+from cospec.rollout.engine import GenerationEngine
+
+OVERRIDES = ["draft.num_train_prompts=12", "draft.num_eval_prompts=6", "sampling.max_new_tokens=8",
+             "draft.train_steps=6", "draft.checkpoint_every=2", "draft.eval_every=3",
+             "draft.tokens_per_batch=64"]
+
+
+def tiny(tmp_path, *more):
+    return resolve("tiny", overrides=[f"out_dir={tmp_path}", *OVERRIDES, *more])
+
+
+@pytest.fixture()
+def policy():
+    torch.manual_seed(0)
+    model = Transformer(resolve("tiny").model)
+    model.reset_parameters(std=0.2)
+    return model.eval()
+
+
+def no_sampling(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("sampled answers that were kept")
+    monkeypatch.setattr(GenerationEngine, "generate", refuse)
+
+
+def interrupt_after(monkeypatch, answers: int):
+    """Make generation raise KeyboardInterrupt once ``answers`` answers have finished."""
+    generate, seen = GenerationEngine.generate, []
+
+    def interrupted(self, prompts, sampling, *, on_answer=None, **kw):
+        def counting(c):
+            on_answer(c)
+            seen.append(c)
+            if len(seen) == answers:
+                raise KeyboardInterrupt
+        return generate(self, prompts, sampling, on_answer=counting, **kw)
+    monkeypatch.setattr(GenerationEngine, "generate", interrupted)
+
+
+def test_an_answer_depends_on_its_prompt_and_seed_not_on_the_batch_or_how_many_were_asked(policy, tmp_path):
+    cfg = tiny(tmp_path)
+    data = task_data(cfg, None)
+    by_4 = policy_answers(apply(cfg, {"draft": {"answer_batch_size": 4}}), policy, data, "train", 12,
+                          progress=False)
+    by_3 = policy_answers(apply(cfg, {"draft": {"answer_batch_size": 3}}), policy, data, "train", 7,
+                          progress=False)
+    assert by_3 == by_4[:7]
+    held = policy_answers(cfg, policy, data, "held_out", 6, progress=False)
+    assert [a.prompt for a in held] != [a.prompt for a in by_4[:6]], "the held-out prompts are their own"
+
+
+def test_kept_answers_are_reused_and_extended_by_a_run_that_asks_for_more(policy, tmp_path, monkeypatch, capsys):
+    cfg = tiny(tmp_path)
+    data = task_data(cfg, None)
+    store = answer_store(cfg, starting_policy_fields(cfg))
+    first = policy_answers(cfg, policy, data, "train", 8, store=store, progress=False)
+    asked = []
+    generate = GenerationEngine.generate
+    monkeypatch.setattr(GenerationEngine, "generate",
+                        lambda self, prompts, *a, **kw: asked.append(len(prompts)) or generate(self, prompts, *a, **kw))
+    more = policy_answers(cfg, policy, data, "train", 12, store=store, progress=False)
+    assert asked == [4] and more[:8] == first
+    assert "reusing 8 kept train answers" in capsys.readouterr().out
+    no_sampling(monkeypatch)
+    assert policy_answers(cfg, policy, data, "train", 12, store=store, progress=False) == more
+
+
+def test_other_sampling_makes_other_answers_in_a_store_of_their_own(tmp_path):
+    cfg = tiny(tmp_path)
+    fields = starting_policy_fields(cfg)
+    assert answer_store(cfg, fields).dir == answer_store(
+        apply(cfg, {"draft": {"train_steps": 99, "answer_batch_size": 2, "num_train_prompts": 3}}),
+        fields).dir, "neither the training nor the number of answers makes the answers"
+    assert answer_store(cfg, fields).dir != answer_store(
+        apply(cfg, {"sampling": {"temperature": 0.5}}), fields).dir
+
+
+def test_an_interrupt_while_sampling_keeps_the_finished_answers(policy, tmp_path, monkeypatch):
+    cfg = tiny(tmp_path)
+    data = task_data(cfg, None)
+    store = answer_store(cfg, starting_policy_fields(cfg))
+    interrupt_after(monkeypatch, 5)
+    with pytest.raises(KeyboardInterrupt):
+        policy_answers(cfg, policy, data, "train", 12, store=store, progress=False)
+    assert len(store.load("train")) == 5
+    monkeypatch.undo()
+    resumed = policy_answers(cfg, policy, data, "train", 12, store=store, progress=False)
+    assert resumed == policy_answers(cfg, policy, data, "train", 12, progress=False)
+
+
+def test_an_unreadable_part_is_sampled_again(policy, tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    data = task_data(cfg, None)
+    store = answer_store(cfg, starting_policy_fields(cfg))
+    first = policy_answers(cfg, policy, data, "train", 4, store=store, progress=False)
+    (part,) = (store.dir / "train").glob("part-*.jsonl")
+    part.write_text("{not json\n")
+    assert policy_answers(cfg, policy, data, "train", 4, store=store, progress=False) == first
+    assert "skipping unreadable kept answers" in capsys.readouterr().out
+
+
+def stop_training_at(monkeypatch, step: int):
+    """KeyboardInterrupt in the training loss of optimizer step ``step`` (1-based; the held-out
+    evaluations run without gradients and are not counted)."""
+    ttt_loss, calls = offline.ttt_loss, []
+
+    def interrupted(*args, **kwargs):
+        if torch.is_grad_enabled():
+            calls.append(1)
+            if len(calls) == step:
+                raise KeyboardInterrupt
+        return ttt_loss(*args, **kwargs)
+    monkeypatch.setattr(offline, "ttt_loss", interrupted)
+
+
+def test_an_interrupted_draft_training_resumes_to_the_same_weights_bit_for_bit(policy, tmp_path, monkeypatch, capsys):
+    whole, whole_metrics = load_or_train_draft(tiny(tmp_path / "a"), policy, progress=False)
+
+    cfg = tiny(tmp_path / "b")
+    stop_training_at(monkeypatch, 6)  # after the checkpoint at step 4
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(cfg, policy, progress=False)
+    assert (tmp_path / "b" / "draft.partial" / "state.pt").exists()
+    assert not (tmp_path / "b" / "draft").exists()
+    monkeypatch.undo()
+    no_sampling(monkeypatch)  # the answers were kept
+    resumed, metrics = load_or_train_draft(cfg, policy, progress=False)
+    assert "resuming draft training at step 4 of 6" in capsys.readouterr().out
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert metrics["loss_history"] == whole_metrics["loss_history"]
+    assert metrics["held_out"] == whole_metrics["held_out"]
+    assert not (tmp_path / "b" / "draft.partial").exists(), "the partial state outlived the draft"
+
+
+def test_a_partial_training_made_with_other_settings_or_discarded_is_not_resumed(policy, tmp_path, monkeypatch, capsys):
+    cfg = tiny(tmp_path)
+    stop_training_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(cfg, policy, progress=False)
+    monkeypatch.undo()
+    load_or_train_draft(apply(cfg, {"draft": {"lr": 1e-3}}), policy, progress=False)
+    assert "was made with other settings: starting over" in capsys.readouterr().out
+
+    stop_training_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(cfg, policy, progress=False)
+    monkeypatch.undo()
+    capsys.readouterr()
+    load_or_train_draft(cfg, policy, progress=False, fresh=True)
+    assert "resuming" not in capsys.readouterr().out
+
+
+def test_held_out_acceptance_is_measured_as_the_draft_trains_and_saved_beside_it(policy, tmp_path):
+    cfg = tiny(tmp_path)
+    draft, metrics = load_or_train_draft(cfg, policy, progress=False)
+    assert [h["step"] for h in metrics["held_out"]] == [0, 3, 6]
+    assert metrics["num_held_out_answers"] == 6
+    data = task_data(cfg, None)
+    held = policy_batches(cfg, policy, policy_answers(cfg, policy, data, "held_out", 6, progress=False),
+                          vocab_ids=getattr(draft, "vocab_ids", None))
+    again = held_out_metrics(draft, held, cfg)
+    assert metrics["held_out"][-1]["acceptance"] == pytest.approx(again["acceptance"])
+    assert all(0 <= a <= 1 for h in metrics["held_out"] for a in h["acceptance"])
+    saved = json.loads((tmp_path / "draft" / "train_metrics.json").read_text())
+    assert saved["held_out"] == metrics["held_out"]
+    assert (tmp_path / "draft" / "training_curve.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_draft_train_prints_the_held_out_curve_and_offers_fresh(tmp_path, capsys):
+    args = ["draft-train", "--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", *OVERRIDES]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "held-out (6 answers) at step 0: acceptance" in out
+    assert "held-out (6 answers) at step 6: acceptance" in out
+    assert main([*args, "--fresh"]) == 0
+    assert "reusing 12 kept train answers" in capsys.readouterr().out
