@@ -265,8 +265,8 @@ def fit_draft(cfg: RunConfig, draft, batches: list[TTTBatch], held_batches: list
 def _held_out_note(held_out: list[dict]) -> str:
     if not held_out or "acceptance" not in held_out[-1]:
         return ""
-    acc = " / ".join(f"{a:.2f}" for a in held_out[-1]["acceptance"])
-    return f", held-out acceptance {acc} (step {held_out[-1]['step']})"
+    acc = "/".join(f"{a:.2f}" for a in held_out[-1]["acceptance"])
+    return f", held-out {acc}"
 
 
 def _as_random_state(state) -> tuple:

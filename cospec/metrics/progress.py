@@ -14,7 +14,8 @@ class progress_bar:
             return lambda msg="": None
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+        # a short bar leaves room for the message (draft-train's held-out acceptance) on 80 columns
+        self.bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                             TimeRemainingColumn(), TextColumn("{task.fields[msg]}"))
         self.bar.__enter__()
         task = self.bar.add_task(self.label, total=self.total, msg="")
