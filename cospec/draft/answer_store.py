@@ -17,7 +17,9 @@ cores: ~1.6 s an answer, half an hour for 1,024), and the draft learns more from
   one that asks for more prompts extends the same set.
 
 Splits: "train" (what the draft trains on) and "held_out" (the prompts that measure it as it
-trains).
+trains). The streams are independent draws from the task source, so where its problems are few
+(the embedded tasks) a held-out prompt can repeat a training one; its answer is still a sample
+of its own.
 """
 
 from __future__ import annotations

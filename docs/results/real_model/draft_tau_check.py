@@ -4,7 +4,10 @@ draft with: the same 64 held-out prompts and seed, the recipe's batch 16, gamma 
 temperature; plain decoding of the same prompts beside it). docs/results/real_model.md, "The
 draft's held-out acceptance as it trains".
 
-    python docs/results/real_model/draft_tau_check.py DRAFT_DIR [DRAFT_DIR ...]
+    python docs/results/real_model/draft_tau_check.py [--seeds S1,S2,...] DRAFT_DIR [DRAFT_DIR ...]
+
+--seeds: measure each draft on the 64 prompts of each seed (default 4321, draft-train's own), to
+see how much tau moves with the prompts drawn.
 """
 import sys
 
@@ -20,20 +23,26 @@ from cospec.models.loading import with_checkpoint_model
 OVERRIDES = ["rollout.dtype=float32", "grpo.autocast=", "draft.autocast="]
 
 
-def main(dirs: list[str]) -> None:
+def main(dirs: list[str], seeds: list[int]) -> None:
     torch.set_num_threads(2)
     cfg = with_checkpoint_model(resolve("smollm2-math", overrides=OVERRIDES))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
     for d in dirs:
         draft = load_draft(d, device=next(policy.parameters()).device).eval()
-        with torch.inference_mode():
-            spec, plain = measure_speculation(cfg, policy, draft, data)
-        st = spec.stats
-        print(f"{d}: tau {st.accept_length:.3f}, acceptance by position "
-              f"{[round(a, 3) for a in st.acceptance_by_position]}, {spec.num_tokens} tokens, "
-              f"{spec.tokens_per_second:.0f} tok/s vs plain {plain.tokens_per_second:.0f}", flush=True)
+        for seed in seeds:
+            with torch.inference_mode():
+                spec, plain = measure_speculation(cfg, policy, draft, data, seed=seed)
+            st = spec.stats
+            print(f"{d} (prompts of seed {seed}): tau {st.accept_length:.3f}, acceptance by position "
+                  f"{[round(a, 3) for a in st.acceptance_by_position]}, {spec.num_tokens} tokens, "
+                  f"{spec.tokens_per_second:.0f} tok/s vs plain {plain.tokens_per_second:.0f}",
+                  flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    args = sys.argv[1:]
+    seeds = [4321]
+    if args[:1] == ["--seeds"]:
+        seeds, args = [int(x) for x in args[1].split(",")], args[2:]
+    main(args, seeds)
