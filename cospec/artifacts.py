@@ -60,19 +60,23 @@ def draft_fields(cfg: RunConfig, policy_fields: dict | None = None) -> dict:
     default = dataclasses.asdict(DraftConfig())
     draft = {k: v for k, v in c["draft"].items() if k not in _ONLINE_DRAFT_FIELDS + _RUN_DRAFT_FIELDS
              and not (k in _LATER_DRAFT_FIELDS and v == default[k])}
-    sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
-    return {"policy": policy, "task": c["task"], "sampling": sampling,
-            "rollout_dtype": c["rollout"]["dtype"], "draft": draft}
+    return {**_sampled_by(cfg, policy), "draft": draft}
 
 
 def answer_fields(cfg: RunConfig, policy_fields: dict) -> dict:
     """What the answers offline draft training learns from are made from (`cospec.draft.
     answer_store`): the policy, the prompts (task and draft.seed), the sampling and the rollout
     dtype. Not the number of prompts (a later run may ask for more) nor the batch that samples them."""
+    return {**_sampled_by(cfg, policy_fields), "seed": cfg.draft.seed}
+
+
+def _sampled_by(cfg: RunConfig, policy_fields: dict) -> dict:
+    """The fields of the policy's samples that a draft learns from: the policy, the task, the
+    sampling and the rollout dtype (shared by `draft_fields` and `answer_fields`)."""
     c = dataclasses.asdict(cfg)
     sampling = {k: c["sampling"][k] for k in ("temperature", "top_k", "top_p", "max_new_tokens")}
     return {"policy": policy_fields, "task": c["task"], "sampling": sampling,
-            "rollout_dtype": c["rollout"]["dtype"], "seed": cfg.draft.seed}
+            "rollout_dtype": c["rollout"]["dtype"]}
 
 
 def answer_store(cfg: RunConfig, policy_fields: dict):
