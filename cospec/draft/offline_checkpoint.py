@@ -1,7 +1,7 @@
 """Where an interrupted `cospec draft-train` resumes: the training state of offline draft training.
 
-On a real model the training itself runs for the better part of an hour (SmolLM2: 960 steps in
-44 minutes on 2 CPU cores), so every ``draft.checkpoint_every`` steps the state that decides the
+On a real model the training itself runs for up to an hour (SmolLM2: 960 steps in 24 minutes
+on 2 idle CPU cores, 44 beside other jobs), so every ``draft.checkpoint_every`` steps the state that decides the
 rest of the run is written to out_dir/<draft dir>.partial/state.pt: the draft's weights and
 reduced vocabulary, the optimizer's moments, the step, the random state of the batch order, and
 the loss and held-out histories so far. The file is written to a temporary name and renamed
