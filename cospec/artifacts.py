@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import ConfigError, DraftConfig, RunConfig
 from cospec.data.tokenizer import CharTokenizer, Tokenizer
 from cospec.models.integrity import NonFiniteError, nonfinite_names, read_json_object
@@ -97,10 +98,8 @@ def fingerprint(fields: dict) -> str:
 
 def write_made_by(path: Path, fields: dict) -> None:
     """Stamp the artifact directory `path` with the fields that made it (after it is complete)."""
-    tmp = Path(path) / f".{MADE_BY}.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fingerprint(fields), "fields": fields},
-                              indent=1, default=list) + "\n")
-    tmp.replace(Path(path) / MADE_BY)
+    write_json_atomically(Path(path) / MADE_BY,
+                          {"fingerprint": fingerprint(fields), "fields": fields}, indent=1, default=list)
 
 
 def differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
@@ -257,7 +256,7 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
                              f"non-finite weights in {', '.join(bad[:3])}; nothing saved (lower "
                              f"draft.lr?)")
     save_draft(draft, path)
-    (path / "train_metrics.json").write_text(json.dumps(metrics, indent=1) + "\n")
+    write_json_atomically(path / "train_metrics.json", metrics, indent=1)
     plot_draft_training(metrics, path / "training_curve.png")
     write_made_by(path, fields)
     checkpoint.remove()

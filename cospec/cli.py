@@ -17,7 +17,7 @@ import torch
 
 from cospec import config as config_mod
 from cospec.artifacts import load_or_train_sft, load_policy, pick_device
-from cospec.config import ConfigError, RunConfig
+from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.evaluate import measure_speculation, print_accuracy
 from cospec.models.integrity import CheckpointError, NonFiniteError
@@ -133,7 +133,7 @@ def cmd_demo(args) -> int:
 
 def cmd_eval(args) -> int:
     """Accuracy and response lengths of the run's starting policy by prompt family, per temperature."""
-    from cospec.config import SamplingConfig
+    from cospec.atomic_file import write_json_atomically
     from cospec.evaluate import evaluate_policy, format_table
 
     cfg = _resolve(args)
@@ -149,8 +149,8 @@ def cmd_eval(args) -> int:
                                      batch_size=cfg.sampling.batch_size, progress=True)
     print(format_table(results))
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": {str(t): r for t, r in results.items()},
-                                               "config": cfg.to_dict()}, indent=2))
+        write_json_atomically(args.json, {"results": {str(t): r for t, r in results.items()},
+                                          "config": cfg.to_dict()}, indent=2)
     return 0
 
 

@@ -11,7 +11,6 @@ spent on padding and attention never crosses an example boundary.
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import ConfigError, RunConfig, SamplingConfig
 from cospec.data.packing import PackedBatch, pack_examples
 from cospec.data.prompts import TaskData
@@ -150,12 +150,6 @@ def save_sft(model: Transformer, metrics: dict, cfg: RunConfig, out_dir: str | P
     out.mkdir(parents=True, exist_ok=True)
     ckpt = out / "sft"
     save_hf(model, ckpt)
-    _write_json_atomic(out / "sft_metrics.json", metrics)
-    _write_json_atomic(out / "config.json", cfg.to_dict())
+    write_json_atomically(out / "sft_metrics.json", metrics)
+    write_json_atomically(out / "config.json", cfg.to_dict())
     return ckpt
-
-
-def _write_json_atomic(path: Path, obj) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2))
-    tmp.replace(path)

@@ -18,7 +18,7 @@ PACKAGE = ROOT / "cospec"
 
 # Bottom first. A module may import from its own layer or any layer below.
 LAYERS = (
-    ("config", "lr_schedule"),
+    ("config", "lr_schedule", "atomic_file"),
     ("data",),
     ("models", "metrics"),
     ("rollout",),

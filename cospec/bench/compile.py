@@ -17,11 +17,11 @@ rows that agree (1.0 expected).
 
 from __future__ import annotations
 
-import json
 import time
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.bench.rollout import Timer, _load_inputs, _meta
 from cospec.config import RunConfig
 from cospec.rollout.compiled_forward import longest_row, precompile_engine
@@ -111,6 +111,5 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     print(format_table(rows))
     out = {"results": rows, "meta": {**_meta(run), "draft": kind, "compile": "both"}}
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json_atomically(json_path, out, indent=2)
     return out

@@ -27,7 +27,6 @@ Each rank runs one thread; ranks share the machine's cores, so at cp > cores tim
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 
@@ -37,6 +36,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from cospec.atomic_file import write_json_atomically
 from cospec.models.branch_attention import branch_attention, merge_attention
 from cospec.parallel.block_attention import HalvesLayout, block_backward, block_forward
 from cospec.parallel.launch import spawn
@@ -211,8 +211,7 @@ def run_cli(quick: bool = False, token_counts: str | None = None, cp_values: str
     rows = run(cp_values=[int(c) for c in cp_values.split(",")],
                token_counts=[int(t) for t in tokens.split(",")], repeats=repeats)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"results": rows}, f, indent=1)
+        write_json_atomically(json_path, {"results": rows}, indent=1)
     return rows
 
 

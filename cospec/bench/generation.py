@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.rollout.engine import GenerationEngine
@@ -123,7 +124,6 @@ def load_hf_model(cfg: RunConfig, policy, tmp: Path):
 
 def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | None = None) -> list[dict]:
     """`cospec bench generation`: rows also written to json_path when given."""
-    import json
     import platform
 
     from cospec.models.llama import Transformer
@@ -164,6 +164,5 @@ def run_cli(cfg: RunConfig, *, batch_sizes, repeats: int = 2, json_path: str | N
                 "sampling": cfg.to_dict()["sampling"], "torch": torch.__version__,
                 "transformers": transformers.__version__, "machine": platform.machine(),
                 "threads": torch.get_num_threads(), "repeats": repeats, "load": load}
-        with open(json_path, "w") as f:
-            json.dump({"results": rows, "meta": meta}, f, indent=2)
+        write_json_atomically(json_path, {"results": rows, "meta": meta}, indent=2)
     return rows

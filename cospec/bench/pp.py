@@ -30,7 +30,6 @@ transport's direct cost to the schedule's thread. Every rank runs with one threa
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import random
@@ -42,6 +41,7 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import ModelConfig
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.llama import Transformer
@@ -261,9 +261,9 @@ def run(pp_sizes=(2, 4), settings: BenchSettings | None = None, json_path: str |
     if json_path:
         meta = {"settings": {**asdict(s), "model": asdict(s.model)}, "torch": torch.__version__,
                 "machine": platform.machine(), "cpus": os.cpu_count(), "processor": platform.processor()}
-        with open(json_path, "w") as f:
-            json.dump({"results": [r for r in rows if not r["with_draft"]],
-                       "draft_rows": [r for r in rows if r["with_draft"]], "meta": meta}, f, indent=2)
+        write_json_atomically(json_path, {"results": [r for r in rows if not r["with_draft"]],
+                                          "draft_rows": [r for r in rows if r["with_draft"]],
+                                          "meta": meta}, indent=2)
     return rows
 
 

@@ -36,7 +36,6 @@ assistant's knobs are read from its own generation_config: num_assistant_tokens 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import platform
 import random
@@ -45,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.bench.workloads import check_workload, task_prompts
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
@@ -274,8 +274,7 @@ def run_cli(cfg: RunConfig, *, batch_sizes, quick: bool = False, json_path: str 
     print(format_table(rows))
     out["meta"] = _meta(run)
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump(out, f, indent=2)
+        write_json_atomically(json_path, out, indent=2)
     return out
 
 

@@ -19,13 +19,13 @@ checkpoint in out_dir, trained when absent; or model.path).
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import RunConfig, SamplingConfig
 
 
@@ -126,6 +126,5 @@ def run_cli(cfg: RunConfig, *, layouts: str = "single,single@2,dp2", quick: bool
     rows = run(cfg, policy, data, layouts=layouts.split(","), repeats=repeats)
     print(format_table(rows))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"config": cfg.to_dict(), "repeats": repeats, "results": rows}, f, indent=1)
+        write_json_atomically(json_path, {"config": cfg.to_dict(), "repeats": repeats, "results": rows}, indent=1)
     return rows

@@ -25,13 +25,13 @@ machine the ratio against `single@2` (the same cores) is what tells them apart.
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import RunConfig, apply
 from cospec.parallel.launch import spawn
 
@@ -142,6 +142,5 @@ def run_cli(cfg: RunConfig, *, layouts: str = "single,single@2,cp2,pp2,dp2", qui
     rows = run(cfg, layouts=layouts.split(","), steps=steps)
     print(format_table(rows))
     if json_path:
-        with open(json_path, "w") as f:
-            json.dump({"config": cfg.to_dict(), "steps": steps, "results": rows}, f, indent=1)
+        write_json_atomically(json_path, {"config": cfg.to_dict(), "steps": steps, "results": rows}, indent=1)
     return rows

@@ -25,11 +25,11 @@ of its own.
 from __future__ import annotations
 
 import json
-import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from cospec.atomic_file import write_text_atomically
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.metrics.progress import progress_bar
@@ -89,10 +89,9 @@ class AnswerStore:
         folder.mkdir(parents=True, exist_ok=True)
         number = 1 + max((int(p.stem.split("-")[1]) for p in folder.glob("part-*.jsonl")), default=-1)
         final = folder / f"part-{number:05d}.jsonl"
-        tmp = folder / f".{final.name}.tmp"
-        tmp.write_text("".join(json.dumps({"i": i, "prompt": a.prompt, "tokens": a.tokens}) + "\n"
-                               for i, a in sorted(rows.items())))
-        os.replace(tmp, final)
+        write_text_atomically(final, "".join(
+            json.dumps({"i": i, "prompt": a.prompt, "tokens": a.tokens}) + "\n"
+            for i, a in sorted(rows.items())))
 
 
 def policy_answers(cfg: RunConfig, policy, data: TaskData, split: str, count: int, *,

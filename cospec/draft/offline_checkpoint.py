@@ -13,10 +13,11 @@ interrupted (tests/test_draft_train_resume.py).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
+
+from cospec.atomic_file import replaced_atomically, temporary_sibling
 
 
 class OfflineCheckpoint:
@@ -44,12 +45,11 @@ class OfflineCheckpoint:
 
     def save(self, state: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / ".state.pt.tmp"
-        torch.save({**state, "key": self.key}, tmp)
-        os.replace(tmp, self.path)
+        with replaced_atomically(self.path) as tmp:
+            torch.save({**state, "key": self.key}, tmp)
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)
-        (self.dir / ".state.pt.tmp").unlink(missing_ok=True)
+        temporary_sibling(self.path).unlink(missing_ok=True)
         if self.dir.exists() and not any(self.dir.iterdir()):
             self.dir.rmdir()

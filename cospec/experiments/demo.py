@@ -6,9 +6,9 @@ on the console and the same table as data in ``out_dir/summary.json``.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+from cospec.atomic_file import write_json_atomically
 from cospec.artifacts import load_or_train_draft, load_policy, pick_device
 from cospec.config import RunConfig, apply
 from cospec.data.prompts import TaskData
@@ -43,8 +43,8 @@ def run_demo(cfg: RunConfig, *, reuse: bool = False, command: str = "cospec demo
                           bench_json=bench if bench.exists() else None, config=cfg.to_dict(),
                           commands=[command])
     print(demo_summary(result["summary"]))
-    (out / "summary.json").write_text(
-        json.dumps(finite_or_none(demo_summary_data(result["summary"])), indent=1))
+    write_json_atomically(out / "summary.json", finite_or_none(demo_summary_data(result["summary"])),
+                          indent=1)
     print(f"report: {report}; summary: {out / 'summary.json'}")
     return result["summary"]
 

@@ -21,11 +21,11 @@ Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summar
 from __future__ import annotations
 
 import copy
-import json
 from pathlib import Path
 
 import torch
 
+from cospec.atomic_file import write_json_atomically
 from cospec.config import RunConfig, apply
 from cospec.metrics.report import summarise
 from cospec.metrics.run_log import finite_or_none
@@ -148,7 +148,7 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
         trainers[mode] = make_trainer(cfg, mode, policy, draft, out, tokenizer, adaptive=adaptive)
     runs = run_lockstep(trainers, cfg.grpo.steps, out)
     result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
-    (out / "stale_draft.json").write_text(json.dumps(finite_or_none(result), indent=1))
+    write_json_atomically(out / "stale_draft.json", finite_or_none(result), indent=1)
     plot(runs, out)
     if show:
         print(format_summary(result["summary"]))

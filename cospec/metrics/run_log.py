@@ -15,6 +15,8 @@ import json
 import math
 from pathlib import Path
 
+from cospec.atomic_file import write_text_atomically
+
 
 def _scalars(prefix: str, value, out: dict[str, float]) -> None:
     if isinstance(value, bool):
@@ -66,9 +68,7 @@ class RunLog:
             self.path.write_text("")
         else:
             kept = [r for r in read_jsonl(self.path) if r.get("step", -1) <= resume_step]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-            tmp.replace(self.path)
+            write_text_atomically(self.path, "".join(json.dumps(r) + "\n" for r in kept))
         self.writer = None
         if tb_dir is not None:
             from torch.utils.tensorboard import SummaryWriter

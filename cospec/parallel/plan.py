@@ -169,7 +169,7 @@ def plan(cfg: RunConfig, *, context: float | None = None,
 
 
 def _stage_memory(run: _Run, s: int) -> dict:
-    p, m, stage = run.cfg.parallel, run.cfg.model, run.stages[s]
+    p, stage = run.cfg.parallel, run.stages[s]
     n, shard, first, last = _count(stage), run.shard, s == 0, s == p.pp - 1
     mem = {"parameters": n / shard * FP32, "gradients": n / shard * FP32,
            "optimizer": 2 * n / shard * FP32}

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from cospec.atomic_file import write_text_atomically
 from cospec.config import ConfigError, RunConfig
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.hf_checkpoint import load_hf, save_hf
@@ -82,9 +83,7 @@ def save_checkpoint(root: str | Path, step: int, *, policy, trainer_state: dict,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(name + "\n")
-    os.replace(pointer, root / LATEST)
+    write_text_atomically(root / LATEST, name + "\n")
     for old in sorted(root.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
