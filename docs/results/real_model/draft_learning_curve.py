@@ -9,11 +9,13 @@ VARIANT: `random` (cospec's default: the layer initialised at random, embedding 
 from the policy) or `layer` (the layer also copied from the policy's decoder layer after the high
 tap, layer 27 of SmolLM2: `draft.layer_from_policy`), with any of the suffixes `+norm` (the final
 norm's weight copied from the policy's, so the copied head rows see states scaled as the
-policy's head does) and `+fhead` (the head frozen at the policy's rows).
+policy's head does), `+fhead` (the head frozen at the policy's rows) and `+lr=X` (draft.lr X
+instead of the recipe's 2e-3; the same warmup and cosine to a tenth).
 
 The answers are draft-train's own (`cospec.draft.answer_store`: TRAIN_PROMPTS, default 256, of
 the training prompt stream, and 48 held-out prompts of its own stream), sampled once and kept in
-/tmp/draft_probe/draft_answers, so every variant and every later run trains on the same data; the training
+/tmp/draft_probe/draft_answers (or $ANSWERS_OUT_DIR/draft_answers: a draft-train run's out_dir,
+to reuse its answers), so every variant and every later run trains on the same data; the training
 loop and the held-out measurement are draft-train's too (`fit_draft`, `held_out_metrics`: 1 - TV
 per TTT step, averaged over all held-out answer tokens). For the plain variants this is what
 `cospec draft-train --recipe smollm2-math` with the overrides below and draft.eval_every does;
@@ -24,6 +26,7 @@ Until 2026-12-06 (commit 016e8d1) the script sampled with its own seeds and held
 of another seed's training stream, and had a `+slow` variant; the figures of real_model.md up to
 "Four times the answers" came from that version.
 """
+import os
 import sys
 import time
 from pathlib import Path
@@ -44,7 +47,9 @@ OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
 
 def train(variant: str, cfg, policy, vocab_ids, train_b, held_b, save: Path | None) -> None:
     base, *options = variant.split("+")
-    draft = build_draft(apply(cfg, {"draft": {"layer_from_policy": base == "layer"}}), policy, vocab_ids)
+    lrs = [float(o.removeprefix("lr=")) for o in options if o.startswith("lr=")]
+    cfg = apply(cfg, {"draft": {"layer_from_policy": base == "layer", **({"lr": lrs[-1]} if lrs else {})}})
+    draft = build_draft(cfg, policy, vocab_ids)
     if "norm" in options:
         draft.norm.weight.data.copy_(policy.norm.weight.data)
     if "fhead" in options:  # fit_draft's optimizer takes only what requires a gradient
@@ -69,7 +74,8 @@ def main(variants: list[str], steps: int, every: int, prompts: int = 256,
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
     t0 = time.perf_counter()
-    store = answer_store(apply(cfg, {"out_dir": "/tmp/draft_probe"}), starting_policy_fields(cfg))
+    answers_dir = os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")
+    store = answer_store(apply(cfg, {"out_dir": answers_dir}), starting_policy_fields(cfg))
     train_a = policy_answers(cfg, policy, data, "train", prompts, store=store)
     held_a = policy_answers(cfg, policy, data, "held_out", 48, store=store)
     print(f"answers: {time.perf_counter() - t0:.0f} s", flush=True)
