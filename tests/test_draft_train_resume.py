@@ -4,6 +4,7 @@ training resumes to the very weights of an uninterrupted one, and the draft's ac
 held-out answers is measured as it trains and saved beside it with a figure."""
 
 import json
+import random
 
 import pytest
 import torch
@@ -202,3 +203,34 @@ def test_the_training_figure_is_drawn_for_a_draft_lm_and_without_held_out_answer
     none = {"loss_history": [1.0, 0.9], "held_out": []}
     for name, metrics in (("lm.png", lm), ("none.png", none)):
         assert plot_draft_training(metrics, tmp_path / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_draft_trains_check_warms_each_engine_up_without_changing_a_token(policy, tmp_path, monkeypatch):
+    """measure_speculation times each engine after an untimed warm-up on one batch; its answers
+    are still those of cold engines started from the check's seed."""
+    from cospec.evaluate import measure_speculation
+    from cospec.rollout.speculative import SpeculativeEngine
+
+    cfg = tiny(tmp_path, "sampling.batch_size=4", "sampling.max_new_tokens=12")
+    draft, data = offline.build_draft(cfg, policy).eval(), task_data(cfg, None)
+    rng = random.Random(7)
+    prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(10)]
+    stops, s = data.tokenizer.stop_ids, cfg.sampling
+    cold_spec = SpeculativeEngine(policy, draft, batch_size=4, gamma=cfg.rollout.gamma,
+                                  stop_ids=stops).generate(prompts, s, generator=torch.Generator().manual_seed(7))
+    cold_plain = GenerationEngine(policy, batch_size=4, stop_ids=stops).generate(
+        prompts, s, generator=torch.Generator().manual_seed(7))
+
+    calls = []
+    for engine in (SpeculativeEngine, GenerationEngine):  # the first calls the second's
+        def counted(self, prompts, *args, _generate=engine.generate, _engine=engine, **kwargs):
+            if type(self) is _engine:
+                calls.append((_engine.__name__, len(prompts)))
+            return _generate(self, prompts, *args, **kwargs)
+        monkeypatch.setattr(engine, "generate", counted)
+    spec, plain = measure_speculation(cfg, policy, draft, data, num_prompts=10, seed=7)
+    assert calls == [("SpeculativeEngine", 4), ("SpeculativeEngine", 10),
+                     ("GenerationEngine", 4), ("GenerationEngine", 10)]
+    assert [c.tokens for c in spec.completions] == [c.tokens for c in cold_spec.completions]
+    assert [c.tokens for c in plain.completions] == [c.tokens for c in cold_plain.completions]
+    assert spec.num_tokens == sum(len(c.tokens) for c in cold_spec.completions)  # warm-up not counted
