@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cospec.atomic_file import write_json_atomically
 from cospec.artifacts import load_or_train_draft, load_policy, pick_device
+from cospec.atomic_file import write_json_atomically
 from cospec.config import RunConfig, apply
 from cospec.data.prompts import TaskData
 from cospec.evaluate import print_accuracy
