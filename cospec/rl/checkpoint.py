@@ -13,10 +13,11 @@ Layout under ``<out_dir>/rl/checkpoints``:
     latest                   name of the newest complete checkpoint ("step_000010")
 
 Atomicity: a checkpoint is written into a hidden temporary directory and renamed into place in one
-`os.replace`; `latest` is rewritten through a temporary file and `os.replace` too. A kill at any
-moment leaves either the previous checkpoint or the new one as `latest`, never a partial one; stale
-temporary directories are removed by the next save. (A rename is atomic against process death; an
-OS crash would additionally need fsync, which these CPU runs do not pay for.)
+`os.replace`; `latest` is rewritten by `cospec.atomic_file` (temporary file, fsync, rename). A kill
+at any moment leaves either the previous checkpoint or the new one as `latest`, never a partial one;
+stale temporary directories are removed by the next save. (The rename is atomic against process
+death; against an OS crash the checkpoint's own files would also need an fsync each, which these
+runs do not pay for.)
 """
 
 from __future__ import annotations
