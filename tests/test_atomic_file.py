@@ -57,8 +57,8 @@ def test_a_block_that_writes_nothing_is_an_error_not_an_empty_file(tmp_path):
     path = tmp_path / "part-00000.jsonl"
     path.write_text('{"i": 0}\n')
     with pytest.raises(FileNotFoundError, match="nothing was written"):
-        with replaced_atomically(path):
-            pass
+        with replaced_atomically(path) as tmp:
+            assert not tmp.exists()  # the writer returns without writing
     assert path.read_text() == '{"i": 0}\n'
 
 

@@ -216,8 +216,8 @@ def test_draft_trains_check_warms_each_engine_up_without_changing_a_token(policy
     rng = random.Random(7)
     prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(10)]
     stops, s = data.tokenizer.stop_ids, cfg.sampling
-    cold_spec = SpeculativeEngine(policy, draft, batch_size=4, gamma=cfg.rollout.gamma,
-                                  stop_ids=stops).generate(prompts, s, generator=torch.Generator().manual_seed(7))
+    cold_spec = SpeculativeEngine(policy, draft, batch_size=4, gamma=cfg.rollout.gamma, stop_ids=stops).generate(
+        prompts, s, generator=torch.Generator().manual_seed(7))
     cold_plain = GenerationEngine(policy, batch_size=4, stop_ids=stops).generate(
         prompts, s, generator=torch.Generator().manual_seed(7))
 

@@ -126,5 +126,6 @@ def run_cli(cfg: RunConfig, *, layouts: str = "single,single@2,dp2", quick: bool
     rows = run(cfg, policy, data, layouts=layouts.split(","), repeats=repeats)
     print(format_table(rows))
     if json_path:
-        write_json_atomically(json_path, {"config": cfg.to_dict(), "repeats": repeats, "results": rows}, indent=1)
+        write_json_atomically(json_path, {"config": cfg.to_dict(), "repeats": repeats, "results": rows},
+                              indent=1)
     return rows

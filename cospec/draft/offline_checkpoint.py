@@ -1,13 +1,13 @@
 """Where an interrupted `cospec draft-train` resumes: the training state of offline draft training.
 
 On a real model the training itself runs for up to an hour (SmolLM2: 960 steps in 24 minutes
-on 2 idle CPU cores, 44 beside other jobs), so every ``draft.checkpoint_every`` steps the state that decides the
-rest of the run is written to out_dir/<draft dir>.partial/state.pt: the draft's weights and
-reduced vocabulary, the optimizer's moments, the step, the random state of the batch order, and
-the loss and held-out histories so far. The file is written to a temporary name and renamed
-(atomic), and carries the fingerprint of the fields that make the draft (`cospec.artifacts.
-draft_fields`): a run with other fields does not resume from it. It is removed once the trained
-draft is saved. Resumed, the run ends with the same weights, bit for bit, as one never
+on 2 idle CPU cores, 44 beside other jobs), so every ``draft.checkpoint_every`` steps the state
+that decides the rest of the run is written to out_dir/<draft dir>.partial/state.pt: the draft's
+weights and reduced vocabulary, the optimizer's moments, the step, the random state of the batch
+order, and the loss and held-out histories so far. The file is written whole or not at all
+(`cospec.atomic_file`), and carries the fingerprint of the fields that make the draft
+(`cospec.artifacts.draft_fields`): a run with other fields does not resume from it. It is
+removed once the trained draft is saved. Resumed, the run ends with the same weights, bit for bit, as one never
 interrupted (tests/test_draft_train_resume.py).
 """
 

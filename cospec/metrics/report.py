@@ -20,6 +20,7 @@ import json
 from functools import partial
 from pathlib import Path
 
+from cospec.atomic_file import write_text_atomically
 from cospec.metrics.report_page import page
 from cospec.metrics.run_log import read_jsonl
 
@@ -225,5 +226,5 @@ def write_report(run_dirs: list[str | Path], out_dir: str | Path, *, bench_json:
     for name, png in figs.items():
         (out / name).write_bytes(png)
     path = out / "report.html"
-    path.write_text(page(runs, summarise(runs), figs, config=config, commands=commands))
+    write_text_atomically(path, page(runs, summarise(runs), figs, config=config, commands=commands))
     return path
