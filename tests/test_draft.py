@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from cospec.config import ModelConfig, resolve
-from cospec.draft.offline import (build_draft, policy_batches, sample_responses, task_data,
-                                  train_draft_offline)
+from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
+from cospec.draft.offline import (build_draft, fit_draft, policy_batches, sample_responses,
+                                  task_data, train_draft_offline)
 from cospec.draft.ttt import (TTTBatch, choose_sequences, entry_features, select_sequences, ttt_loss,
                               ttt_steps, ttt_unroll)
 from cospec.models.draft import Eagle3Draft, default_tap_layers
@@ -171,6 +172,41 @@ def test_offline_training_raises_the_drafts_acceptance_on_held_out_answers():
     after = _mean_acceptance(cfg, trained, held_out)
     assert metrics["num_tokens"] > 0
     assert all(a > b + 0.08 for a, b in zip(after, before)), (before, after)
+
+
+def _loss_mix(draft, batch, cfg, w: float) -> float:
+    """The oracle: (1 - w) x soft CE + w x TV from the losses themselves (EAGLE-3: each TTT step's,
+    weighted by decay^(j-1); a draft LM: its next-token one)."""
+    t = cfg.sampling.temperature
+    with torch.no_grad():
+        if isinstance(draft, Eagle3Draft):
+            m = ttt_loss(draft, batch, num_steps=cfg.draft.ttt_steps, temperature=t)[1]
+            return sum(cfg.draft.ttt_decay ** j * ((1 - w) * ce + w * tv)
+                       for j, (ce, tv) in enumerate(zip(m["ce"], m["tv"])))
+        logits = draft(batch.tokens[None], cu_seqlens=batch.cu_seqlens).logits[0]
+        ce = masked_mean(soft_cross_entropy(logits, batch.policy_logits, t), batch.loss_mask)
+        tv = masked_mean(total_variation(logits, batch.policy_logits, t), batch.loss_mask)
+        return ((1 - w) * ce + w * tv).item()
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "lm"])
+def test_offline_training_minimises_the_loss_mix_that_draft_tv_weight_names(policy, kind):
+    """draft.tv_weight = w: `cospec draft-train` trains on (1 - w) x soft CE + w x TV, as
+    co-training does, for an EAGLE-3 draft and a draft LM alike. The first step's loss is that mix
+    computed by the losses on the step's batch from the same start, and w moves the update."""
+    batch = packed_batch(policy, Eagle3Draft.from_policy(policy), [20, 14, 30])
+    losses, updates = {}, {}
+    for w in (0.0, 0.5, 1.0):
+        cfg = resolve("tiny", overrides=[f"draft.kind={kind}", f"draft.tv_weight={w}",
+                                         "draft.train_steps=1", "draft.ttt_steps=2"])
+        draft = build_draft(cfg, policy)  # seeded by draft.seed: the same start for every w
+        start = copy.deepcopy(draft)
+        losses[w] = fit_draft(cfg, draft, [batch], [], progress=False)["loss_history"][0]
+        assert losses[w] == pytest.approx(_loss_mix(start, batch, cfg, w), rel=1e-5)
+        updates[w] = torch.cat([(p - p0).flatten()
+                                for p, p0 in zip(draft.parameters(), start.parameters())])
+    assert losses[0.0] > losses[0.5] > losses[1.0]  # CE >= H(p) > 0 here; TV <= 1
+    assert not torch.allclose(updates[0.0], updates[1.0])
 
 
 def test_chosen_sequences_are_random_whole_sequences_within_the_token_budget(policy):

@@ -93,7 +93,8 @@ class DraftConfig:
     #: a random subset of each minibatch; 0 = all): its cost grows with them (on the demo, 1024 of
     #: a step's ~3.3K tokens cost 9% of the step, 2048 cost 20%, with the same tau kept)
     cotrain_max_tokens: int = 1024
-    #: draft loss mix: 0 = soft cross-entropy only, 1 = total variation only
+    #: draft loss mix, offline and co-training alike: (1 - tv_weight) x soft cross-entropy +
+    #: tv_weight x total variation (0 = cross-entropy only, 1 = total variation only)
     tv_weight: float = 0.0
     #: mixed precision of the draft's training forwards (offline and co-training): "" (fp32) or
     #: "bfloat16" (torch.autocast; weights and optimizer state stay fp32, the trunk + branch

@@ -7,8 +7,9 @@
 2. One policy forward per packed batch of those sequences gives, detached, the tapped features and
    the logits; they are kept (no policy forward is repeated across epochs).
 3. The draft trains on them (`fit_draft`): EAGLE-3 with the TTT unroll (`cospec.draft.ttt`), a
-   standalone draft LM with plain next-token soft cross-entropy; both against the policy's
-   distribution, on response positions only. Its teacher-forced acceptance on the held-out answers
+   standalone draft LM with plain next-token prediction; both against the policy's distribution
+   (soft cross-entropy, mixed with total variation by ``draft.tv_weight``), on response positions
+   only. Its teacher-forced acceptance on the held-out answers
    is measured every ``draft.eval_every`` steps, and its state kept every
    ``draft.checkpoint_every`` steps so an interrupted run resumes (`cospec.draft.offline_checkpoint`).
 The result is the "frozen" draft that later experiments compare against, and the initial draft of
@@ -26,7 +27,7 @@ from cospec.config import RunConfig
 from cospec.data.packing import pack_examples
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import Answer, AnswerStore, policy_answers
-from cospec.draft.losses import draft_targets, masked_mean, soft_cross_entropy
+from cospec.draft.losses import draft_targets, masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline_checkpoint import OfflineCheckpoint
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
@@ -137,16 +138,20 @@ def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
     return batches
 
 
-def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float) -> tuple[torch.Tensor, dict]:
-    """Soft cross-entropy of a standalone draft LM against the policy at every response position."""
+def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float,
+                  tv_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
+    """(1 - tv_weight) * soft CE + tv_weight * TV of a standalone draft LM against the policy,
+    masked means over the response positions; metrics as `ttt_loss`'s, for its one step."""
     logits = lm(batch.tokens[None], cu_seqlens=batch.cu_seqlens).logits[0]
-    loss = masked_mean(soft_cross_entropy(logits, batch.policy_logits, temperature), batch.loss_mask)
-    return loss, {"ce": [loss.item()]}
+    ce = masked_mean(soft_cross_entropy(logits, batch.policy_logits, temperature), batch.loss_mask)
+    tv = masked_mean(total_variation(logits, batch.policy_logits, temperature), batch.loss_mask)
+    loss = (1 - tv_weight) * ce + tv_weight * tv
+    return loss, {"ce": [ce.item()], "tv": [tv.item()], "acceptance": [1 - tv.item()]}
 
 
 def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str, list[float]]:
-    """The training loss's metrics (per TTT step: acceptance = 1 - TV, ce, tv; the draft LM: ce)
-    on answers the draft does not train on, each averaged over their answer tokens, no gradient."""
+    """The training loss's metrics (per TTT step, or the draft LM's one step: acceptance = 1 - TV,
+    ce, tv) on answers the draft does not train on, each averaged over their answer tokens, no gradient."""
     sums, count = {}, 0
     was_training = draft.training
     draft.eval()
@@ -237,9 +242,10 @@ def fit_draft(cfg: RunConfig, draft, batches: list[TTTBatch], held_batches: list
             with autocast(d.autocast, device):  # the backward below runs outside it
                 if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
                     loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                          temperature=cfg.sampling.temperature)
+                                          temperature=cfg.sampling.temperature,
+                                          tv_weight=d.tv_weight)
                 else:
-                    loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature)
+                    loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature, d.tv_weight)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)

@@ -9,8 +9,9 @@ VARIANT: `random` (cospec's default: the layer initialised at random, embedding 
 from the policy) or `layer` (the layer also copied from the policy's decoder layer after the high
 tap, layer 27 of SmolLM2: `draft.layer_from_policy`), with any of the suffixes `+norm` (the final
 norm's weight copied from the policy's, so the copied head rows see states scaled as the
-policy's head does), `+fhead` (the head frozen at the policy's rows) and `+lr=X` (draft.lr X
-instead of the recipe's 2e-3; the same warmup and cosine to a tenth).
+policy's head does), `+fhead` (the head frozen at the policy's rows), `+lr=X` (draft.lr X
+instead of the recipe's 2e-3; the same warmup and cosine to a tenth) and `+tv=W` (draft.tv_weight
+W: the loss (1 - W) x soft cross-entropy + W x total variation, instead of cross-entropy alone).
 
 The answers are draft-train's own (`cospec.draft.answer_store`: TRAIN_PROMPTS, default 256, of
 the training prompt stream, and 48 held-out prompts of its own stream), sampled once and kept in
@@ -47,8 +48,10 @@ OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
 
 def train(variant: str, cfg, policy, vocab_ids, train_b, held_b, save: Path | None) -> None:
     base, *options = variant.split("+")
-    lrs = [float(o.removeprefix("lr=")) for o in options if o.startswith("lr=")]
-    cfg = apply(cfg, {"draft": {"layer_from_policy": base == "layer", **({"lr": lrs[-1]} if lrs else {})}})
+    chosen = {"lr": float, "tv_weight": float}
+    given = {key: cast(o.split("=", 1)[1]) for key, cast in chosen.items() for o in options
+             if o.startswith(key.split("_")[0] + "=")}
+    cfg = apply(cfg, {"draft": {"layer_from_policy": base == "layer", **given}})
     draft = build_draft(cfg, policy, vocab_ids)
     if "norm" in options:
         draft.norm.weight.data.copy_(policy.norm.weight.data)
