@@ -198,10 +198,13 @@ def test_draft_train_prints_the_held_out_curve_and_offers_fresh(tmp_path, capsys
 def test_the_training_figure_is_drawn_for_a_draft_lm_and_without_held_out_answers(tmp_path):
     from cospec.metrics.draft_training import plot_draft_training
 
-    lm = {"loss_history": [3.0 - 0.01 * i for i in range(40)],
-          "held_out": [{"step": 0, "ce": [3.1]}, {"step": 40, "ce": [2.7]}]}
+    losses = [3.0 - 0.01 * i for i in range(40)]
+    lm = {"loss_history": losses, "held_out": [{"step": 0, "ce": [3.1], "tv": [0.9], "acceptance": [0.1]},
+                                               {"step": 40, "ce": [2.7], "tv": [0.6], "acceptance": [0.4]}]}
+    lm_ce_only = {"loss_history": losses,  # a draft LM's metrics before they kept TV
+                  "held_out": [{"step": 0, "ce": [3.1]}, {"step": 40, "ce": [2.7]}]}
     none = {"loss_history": [1.0, 0.9], "held_out": []}
-    for name, metrics in (("lm.png", lm), ("none.png", none)):
+    for name, metrics in (("lm.png", lm), ("lm_ce.png", lm_ce_only), ("none.png", none)):
         assert plot_draft_training(metrics, tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 

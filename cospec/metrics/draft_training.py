@@ -13,7 +13,8 @@ from pathlib import Path
 
 def plot_draft_training(metrics: dict, path: str | Path) -> Path:
     """Two panels: the training loss by step (and its 20-step mean); the held-out acceptance
-    (1 - TV) of each TTT step, or the held-out cross-entropy of a draft LM, at each evaluation."""
+    (1 - TV) of each TTT step (a draft LM: of its next token), or the held-out cross-entropy where
+    only that was kept, at each evaluation."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -34,7 +35,8 @@ def plot_draft_training(metrics: dict, path: str | Path) -> Path:
         x = [h["step"] for h in held]
         for j in range(len(held[0][key])):
             ax_held.plot(x, [h[key][j] for h in held], marker="o", ms=3,
-                         label=f"TTT step {j + 1}" if key == "acceptance" else "cross-entropy")
+                         label=("cross-entropy" if key != "acceptance" else "next token"
+                                if len(held[0][key]) == 1 else f"TTT step {j + 1}"))
         ax_held.legend(loc="lower right" if key == "acceptance" else "upper right", frameon=False)
     else:
         ax_held.text(0.5, 0.5, "no held-out answers (draft.num_eval_prompts=0)",
