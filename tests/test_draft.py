@@ -15,8 +15,9 @@ import torch
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
-from cospec.draft.offline import (build_draft, fit_draft, policy_batches, sample_responses,
-                                  task_data, train_draft_offline)
+from cospec.draft.offline import (build_draft, fit_draft, sample_responses, task_data,
+                                  train_draft_offline)
+from cospec.draft.policy_outputs import policy_batches
 from cospec.draft.ttt import (TTTBatch, choose_sequences, entry_features, select_sequences, ttt_loss,
                               ttt_steps, ttt_unroll)
 from cospec.models.draft import Eagle3Draft, default_tap_layers
@@ -363,7 +364,7 @@ def test_a_saved_reduced_draft_keeps_its_vocabulary_mapping(tmp_path):
     policy = Transformer(cfg.model)
     draft, _ = train_draft_offline(cfg, policy, progress=False)
     assert draft.draft_vocab_size == 12 and 2 in draft.vocab_ids.tolist()  # EOS is always kept
-    from cospec.draft.offline import policy_batches, sample_responses, task_data
+    from cospec.draft.offline import sample_responses, task_data
 
     completions = sample_responses(cfg, policy, task_data(cfg, None), progress=False)
     (batch, *_) = policy_batches(cfg, policy, completions, vocab_ids=draft.vocab_ids)

@@ -14,7 +14,8 @@ from cospec.cli import main
 from cospec.config import apply, resolve
 from cospec.draft import offline
 from cospec.draft.answer_store import policy_answers
-from cospec.draft.offline import held_out_metrics, policy_batches, task_data
+from cospec.draft.offline import held_out_metrics, task_data
+from cospec.draft.policy_outputs import policy_batches
 from cospec.models.llama import Transformer
 from cospec.rollout.engine import GenerationEngine
 

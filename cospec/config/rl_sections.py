@@ -65,6 +65,11 @@ class DraftConfig:
     #: offline training: held-out prompts (a prompt stream of their own) whose answers measure the
     #: draft's teacher-forced acceptance as it trains; 0 = none
     num_eval_prompts: int = 64
+    #: offline training: hold the policy's taps and logits of every training batch, computed once
+    #: up front (~40 KB a token for SmolLM2 with an 8K head: 11 GB for 2,048 of its answers);
+    #: false recomputes a batch's policy forward whenever training draws it (one batch in
+    #: memory, for answer sets past it; each read then costs a forward). Same draft either way
+    keep_policy_outputs: bool = True
     #: offline training: measure that held-out acceptance every this many steps (and at the end;
     #: 0 = only at the end)
     eval_every: int = 100

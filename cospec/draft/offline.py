@@ -5,7 +5,9 @@
    ``draft.num_eval_prompts`` held-out prompts of another stream; `cospec draft-train` keeps the
    answers in out_dir as they finish and reuses them (`cospec.draft.answer_store`).
 2. One policy forward per packed batch of those sequences gives, detached, the tapped features and
-   the logits; they are kept (no policy forward is repeated across epochs).
+   the logits (`cospec.draft.policy_outputs`): kept, so that no forward is repeated across epochs,
+   or with ``draft.keep_policy_outputs=false`` recomputed whenever training draws the batch (for
+   answer sets past the memory).
 3. The draft trains on them (`fit_draft`): EAGLE-3 with the TTT unroll (`cospec.draft.ttt`), a
    standalone draft LM with plain next-token prediction; both against the policy's distribution
    (soft cross-entropy, mixed with total variation by ``draft.tv_weight``), on response positions
@@ -24,11 +26,11 @@ import time
 import torch
 
 from cospec.config import RunConfig
-from cospec.data.packing import pack_examples
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import Answer, AnswerStore, policy_answers
-from cospec.draft.losses import draft_targets, masked_mean, soft_cross_entropy, total_variation
+from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline_checkpoint import OfflineCheckpoint
+from cospec.draft.policy_outputs import num_tokens, policy_batches
 from cospec.draft.ttt import TTTBatch, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
@@ -107,37 +109,6 @@ def sample_responses(cfg: RunConfig, policy: Transformer, data: TaskData, *,
     return policy_answers(cfg, policy, data, split, count, store=store, progress=progress)
 
 
-def policy_batches(cfg: RunConfig, policy: Transformer, completions, *,
-                   vocab_ids: torch.Tensor | None = None) -> list[TTTBatch]:
-    """Step 2: the answers packed into batches of ~draft.tokens_per_batch tokens, each with the
-    policy's detached taps and logits. With a reduced draft vocabulary the logits are kept as
-    `compress_to_head` (at the sampling temperature, `draft_targets`): Vd + 1 numbers a token
-    instead of V, which is what lets the data grow (SmolLM2: 4 GB of fp32 logits for 18K tokens
-    otherwise)."""
-    d, device = cfg.draft, next(policy.parameters()).device
-    encoded = [(c.prompt + c.tokens, [0] * len(c.prompt) + [1] * len(c.tokens))
-               for c in completions if c.tokens]
-    taps = default_tap_layers(policy.config.num_layers) if not d.tap_layers else d.tap_layers
-    keep = draft_targets(vocab_ids, cfg.sampling.temperature)
-    batches, start = [], 0
-    while start < len(encoded):
-        used, end = 0, start
-        while end < len(encoded) and (end == start or used + len(encoded[end][0]) - 1 <= d.tokens_per_batch):
-            used += len(encoded[end][0]) - 1
-            end += 1
-        packed = pack_examples(encoded[start:end])
-        with torch.no_grad():
-            out = policy(packed.tokens.to(device), cu_seqlens=packed.cu_seqlens.to(device),
-                         tap_layers=taps)
-        logits = keep(out.logits[0])
-        batches.append(TTTBatch(tokens=packed.tokens[0].to(device),
-                                cu_seqlens=packed.cu_seqlens.to(device),
-                                loss_mask=packed.loss_mask[0].to(device),
-                                taps={k: v[0] for k, v in out.taps.items()}, policy_logits=logits))
-        start = end
-    return batches
-
-
 def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float,
                   tv_weight: float = 0.0) -> tuple[torch.Tensor, dict]:
     """(1 - tv_weight) * soft CE + tv_weight * TV of a standalone draft LM against the policy,
@@ -197,12 +168,16 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
                          if d.vocab_size else None)
         draft = build_draft(cfg, policy, vocab_ids)
     vocab_ids = getattr(draft, "vocab_ids", None)
-    batches = policy_batches(cfg, policy, completions, vocab_ids=vocab_ids)
+    # The held-out answers' outputs are kept whatever the setting: they are few and read whole
+    # at every evaluation.
+    batches = policy_batches(cfg, policy, completions, vocab_ids=vocab_ids,
+                             keep=d.keep_policy_outputs, progress=progress)
     held_batches = policy_batches(cfg, policy, held, vocab_ids=vocab_ids) if held else []
     data_seconds = time.perf_counter() - t0
     metrics = fit_draft(cfg, draft, batches, held_batches, state=state, checkpoint=checkpoint,
                         progress=progress)
-    metrics.update(num_batches=len(batches), num_tokens=sum(int(b.tokens.numel()) for b in batches),
+    metrics.update(num_batches=len(batches), num_tokens=num_tokens(batches),
+                   num_held_out_batches=len(held_batches),
                    num_answers=len(completions), num_held_out_answers=len(held),
                    data_seconds=data_seconds, kind=d.kind)
     return draft, metrics

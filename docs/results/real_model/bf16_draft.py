@@ -76,9 +76,10 @@ def region(mode: str):
 
 
 def make_data(n: int, path: str) -> None:
-    from cospec.config import apply, resolve
+    from cospec.config import resolve
     from cospec.data.prompts import TaskData
-    from cospec.draft.offline import build_draft, draft_vocabulary, policy_batches, sample_responses
+    from cospec.draft.offline import build_draft, draft_vocabulary, sample_responses
+    from cospec.draft.policy_outputs import policy_batches
     from cospec.models.loading import load_pretrained, load_tokenizer, with_checkpoint_model
 
     cfg = with_checkpoint_model(resolve("smollm2-math", None, [

@@ -38,7 +38,8 @@ from cospec.artifacts import answer_store, load_policy, pick_device, starting_po
 from cospec.config import apply, resolve
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import policy_answers
-from cospec.draft.offline import build_draft, draft_vocabulary, fit_draft, policy_batches
+from cospec.draft.offline import build_draft, draft_vocabulary, fit_draft
+from cospec.draft.policy_outputs import policy_batches
 from cospec.models.draft_checkpoint import save_draft
 from cospec.models.loading import with_checkpoint_model
 

@@ -1,0 +1,116 @@
+"""Offline draft training keeps the policy's outputs over its answers, or recomputes them per read
+(`draft.keep_policy_outputs`): the same batches and the same draft either way, one batch held when
+recomputed, and a clear error up front when keeping them would not fit."""
+
+import pytest
+import torch
+
+from cospec.config import ConfigError, resolve
+from cospec.draft import policy_outputs
+from cospec.draft.offline import sample_responses, task_data, train_draft_offline
+from cospec.draft.policy_outputs import RecomputedBatches, pack_answers, policy_batches
+from cospec.models.llama import Transformer
+
+OVERRIDES = ["draft.num_train_prompts=12", "draft.num_eval_prompts=4", "sampling.max_new_tokens=10",
+             "draft.tokens_per_batch=40", "draft.train_steps=6", "draft.eval_every=3",
+             "draft.vocab_size=12"]
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = resolve("tiny", overrides=OVERRIDES)
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model).eval()
+    answers = sample_responses(cfg, policy, task_data(cfg, None), progress=False)
+    return cfg, policy, answers
+
+
+def test_answers_pack_in_order_within_the_token_budget_and_each_answer_once(setup):
+    cfg, _, answers = setup
+    packed = pack_answers(answers, cfg.draft.tokens_per_batch)
+    sequences = [p.cu_seqlens.diff().tolist() for p in packed]
+    assert sum(len(s) for s in sequences) == len([a for a in answers if a.tokens])
+    assert [n for s in sequences for n in s] == [len(a.prompt) + len(a.tokens) - 1
+                                                for a in answers if a.tokens]
+    assert all(sum(s) <= cfg.draft.tokens_per_batch or len(s) == 1 for s in sequences)
+    assert len(packed) > 2  # the budget splits these answers: several batches to draw from
+
+
+def test_recomputed_batches_are_the_kept_ones_bit_for_bit(setup):
+    cfg, policy, answers = setup
+    ids = torch.arange(0, 24, 2)
+    kept = policy_batches(cfg, policy, answers, vocab_ids=ids)
+    lazy = policy_batches(cfg, policy, answers, vocab_ids=ids, keep=False)
+    assert isinstance(kept, list) and isinstance(lazy, RecomputedBatches)
+    assert len(kept) == len(lazy) > 2
+    for a, b in zip(kept, lazy):
+        assert a.policy_logits.shape[-1] == len(ids) + 1  # the head's columns and one bucket
+        for field in ("tokens", "cu_seqlens", "loss_mask", "policy_logits"):
+            assert torch.equal(getattr(a, field), getattr(b, field)), field
+        assert a.taps.keys() == b.taps.keys()
+        assert all(torch.equal(a.taps[k], b.taps[k]) for k in a.taps)
+
+
+def test_recomputed_batches_hold_nothing_and_run_one_policy_forward_per_read(setup, monkeypatch):
+    cfg, policy, answers = setup
+    calls = []
+    forward = policy.forward
+    monkeypatch.setattr(policy, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    lazy = policy_batches(cfg, policy, answers, keep=False)
+    assert not calls and len(lazy) > 2
+    first, again = lazy[1], lazy[1]
+    assert len(calls) == 2 and torch.equal(first.policy_logits, again.policy_logits)
+    assert not any(isinstance(v, torch.Tensor) and v.numel() > 1 and v.is_floating_point()
+                   for v in vars(lazy).values())
+    with pytest.raises(IndexError):
+        lazy[len(lazy)]
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_draft_train_makes_the_same_draft_with_outputs_kept_or_recomputed(kind, monkeypatch):
+    """The whole offline path (answers, vocabulary, batches, steps, held-out measurements): the
+    drafts and their metrics are equal bit for bit; kept, each batch's forward ran once, up front;
+    recomputed, once per training step (the held-out answers' stay kept)."""
+    runs, reads = {}, []
+    read = RecomputedBatches.__getitem__
+    monkeypatch.setattr(RecomputedBatches, "__getitem__", lambda self, i: reads.append(i) or read(self, i))
+    for keep in ("true", "false"):
+        reads.clear()
+        cfg = resolve("tiny", overrides=OVERRIDES + [f"draft.kind={kind}", "draft.ttt_steps=2",
+                                                     f"draft.keep_policy_outputs={keep}"])
+        torch.manual_seed(0)
+        policy = Transformer(cfg.model).eval()
+        runs[keep] = train_draft_offline(cfg, policy, progress=False)
+        batches, held = runs[keep][1]["num_batches"], runs[keep][1]["num_held_out_batches"]
+        assert len(reads) == (batches if keep == "true" else 6) + held  # draft.train_steps=6
+    (kept, m_kept), (lazy, m_lazy) = runs["true"], runs["false"]
+    assert all(torch.equal(a, b) for a, b in zip(kept.state_dict().values(), lazy.state_dict().values()))
+    assert m_kept["loss_history"] == m_lazy["loss_history"]
+    assert m_kept["held_out"] == m_lazy["held_out"] and len(m_kept["held_out"]) == 3  # steps 0, 3, 6
+
+
+def test_keeping_outputs_past_the_available_memory_fails_before_the_second_forward(setup, monkeypatch):
+    cfg, policy, answers = setup
+    calls = []
+    forward = policy.forward
+    monkeypatch.setattr(policy, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    per_batch = policy_batches(cfg, policy, answers[:1])[0]
+    per_token = sum(t[0].numel() * t.element_size()
+                    for t in [per_batch.policy_logits, *per_batch.taps.values()])
+    total_tokens = sum(p.tokens.shape[1] for p in pack_answers(answers, cfg.draft.tokens_per_batch))
+    calls.clear()
+    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: per_token * total_tokens)
+    with pytest.raises(ConfigError, match="draft.keep_policy_outputs=false"):
+        policy_batches(cfg, policy, answers)  # needs all the memory: more than 90% of it
+    assert len(calls) == 1
+    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: 2 * per_token * total_tokens)
+    assert len(policy_batches(cfg, policy, answers)) > 2
+    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: None)  # cannot be told
+    assert len(policy_batches(cfg, policy, answers)) > 2
+
+
+def test_the_hosts_available_memory_is_read_where_it_can_be():
+    available = policy_outputs.available_memory("cpu")
+    assert available is None or available > 0
+    if torch.cuda.is_available():
+        assert policy_outputs.available_memory("cuda") > 0
