@@ -1,7 +1,7 @@
 """Files written whole or not at all.
 
 Every file cospec keeps across an interrupt (a checkpoint's `latest` pointer, a partial draft
-training, kept answers, metrics, stamps, summaries) is written to a temporary sibling and then
+training, kept answers, metrics, stamps, summaries, figures) is written to a temporary sibling and then
 renamed over its final name. `os.replace` within one directory is a single rename on POSIX
 filesystems, so a reader sees either the old file or the new one, never a half-written one; the
 temporary file is fsynced before the rename so that a crash right after it cannot leave the new
@@ -64,3 +64,12 @@ def write_json_atomically(path: str | Path, obj, *, indent: int | None = 2, **du
     """Write ``obj`` as JSON (with a final newline) to ``path`` whole or not at all. The JSON is
     made before the file is touched, so an object that cannot be serialised leaves no trace."""
     write_text_atomically(path, json.dumps(obj, indent=indent, **dumps_kwargs) + "\n")
+
+
+def save_figure_atomically(fig, path: str | Path, **savefig_kwargs) -> Path:
+    """``fig.savefig(path, ...)`` whole or not at all; the format is the suffix's (the temporary
+    name has none of its own)."""
+    path = Path(path)
+    with replaced_atomically(path) as tmp:
+        fig.savefig(tmp, format=path.suffix.lstrip(".") or None, **savefig_kwargs)
+    return path

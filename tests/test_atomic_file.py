@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from cospec.atomic_file import (replaced_atomically, temporary_sibling, write_json_atomically,
-                                write_text_atomically)
+from cospec.atomic_file import (replaced_atomically, save_figure_atomically, temporary_sibling,
+                                write_json_atomically, write_text_atomically)
 
 
 def leftovers(folder):
@@ -75,3 +75,30 @@ def test_the_temporary_is_a_hidden_sibling_so_globs_of_the_final_names_skip_it(t
     tmp = temporary_sibling(tmp_path / "train" / "part-00003.jsonl")
     assert tmp.parent == tmp_path / "train"
     assert tmp.name.startswith(".") and not tmp.match("part-*.jsonl")
+
+
+def test_a_figure_is_saved_whole_in_its_suffixs_format_or_not_at_all(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    ax.plot([0, 1], [1, 0])
+    png = save_figure_atomically(fig, tmp_path / "curve.png", dpi=50)
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert save_figure_atomically(fig, tmp_path / "curve.svg").read_text().lstrip().startswith("<?xml")
+    with pytest.raises(ValueError, match="xyz"):  # a format matplotlib does not know
+        save_figure_atomically(fig, tmp_path / "curve.xyz")
+    first = png.read_bytes()
+
+    def interrupted(fname, **kwargs):  # a save stopped halfway through the file
+        fname.write_bytes(first[:10])
+        raise KeyboardInterrupt
+
+    fig.savefig = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        save_figure_atomically(fig, png, dpi=50)
+    plt.close(fig)
+    assert png.read_bytes() == first and not (tmp_path / "curve.xyz").exists()
+    assert leftovers(tmp_path) == []

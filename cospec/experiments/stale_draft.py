@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from cospec.atomic_file import write_json_atomically
+from cospec.atomic_file import save_figure_atomically, write_json_atomically
 from cospec.config import RunConfig, apply
 from cospec.metrics.report import summarise
 from cospec.metrics.run_log import finite_or_none
@@ -90,7 +90,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     ax1.legend(), ax2.legend()
     fig.tight_layout()
     paths.append(out / "tau_vs_step.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_figure_atomically(fig, paths[-1], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -101,7 +101,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(out / "reward_vs_step.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_figure_atomically(fig, paths[-1], dpi=110)
     plt.close(fig)
 
     fig, ax = plt.subplots(figsize=(6, 4))
@@ -115,7 +115,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     ax.legend()
     fig.tight_layout()
     paths.append(out / "step_time_split.png")
-    fig.savefig(paths[-1], dpi=110)
+    save_figure_atomically(fig, paths[-1], dpi=110)
     plt.close(fig)
     return paths
 

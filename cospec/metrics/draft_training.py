@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cospec.atomic_file import save_figure_atomically
+
 
 def plot_draft_training(metrics: dict, path: str | Path) -> Path:
     """Two panels: the training loss by step (and its 20-step mean); the held-out acceptance
@@ -45,7 +47,6 @@ def plot_draft_training(metrics: dict, path: str | Path) -> Path:
     ax_held.set(xlabel="optimizer step", ylabel=label, title="On held-out answers")
     if key == "acceptance":
         ax_held.set_ylim(0, 1)
-    path = Path(path)
-    fig.savefig(path, dpi=100)
+    save_figure_atomically(fig, path, dpi=100)
     plt.close(fig)
-    return path
+    return Path(path)
