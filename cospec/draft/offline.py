@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -183,9 +184,9 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
     return draft, metrics
 
 
-def fit_draft(cfg: RunConfig, draft, batches: list[TTTBatch], held_batches: list[TTTBatch], *,
-              state: dict | None = None, checkpoint: OfflineCheckpoint | None = None,
-              progress: bool = True) -> dict:
+def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
+              held_batches: Sequence[TTTBatch], *, state: dict | None = None,
+              checkpoint: OfflineCheckpoint | None = None, progress: bool = True) -> dict:
     """Step 3: draft.train_steps AdamW steps (warmup, then cosine to a tenth) on batches drawn at
     random from ``batches``; the held-out metrics (`held_out_metrics`) at step 0, every
     draft.eval_every steps and at the end; the state kept in ``checkpoint`` every
