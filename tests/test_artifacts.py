@@ -88,6 +88,14 @@ def test_a_draft_records_the_policy_it_was_trained_on():
     assert draft_fields(apply(cfg, {"draft": {"mode": "frozen", "oracle_every": 3}})) == draft_fields(cfg)
 
 
+def test_how_draft_train_holds_its_data_is_not_part_of_the_draft():
+    """Keeping or recomputing the policy's outputs makes the same draft: a run interrupted with
+    one setting resumes, and a saved draft is reused, under the other."""
+    cfg = resolve("tiny")
+    assert draft_fields(apply(cfg, {"draft": {"keep_policy_outputs": False}})) == draft_fields(cfg)
+    assert draft_fields(apply(cfg, {"draft": {"tv_weight": 0.5}})) != draft_fields(cfg)  # the loss
+
+
 def test_a_draft_field_added_later_changes_no_fingerprint_at_its_default():
     """`draft.layer_from_policy` came after drafts were saved: off, it is left out of the fields,
     so those drafts are still reused; on, it makes another draft."""

@@ -2,13 +2,19 @@
 (`draft.keep_policy_outputs`): the same batches and the same draft either way, one batch held when
 recomputed, and a clear error up front when keeping them would not fit."""
 
+import gc
+import sys
+import weakref
+
 import pytest
 import torch
 
 from cospec.config import ConfigError, resolve
 from cospec.draft import policy_outputs
+from cospec.draft.losses import compress_to_head
 from cospec.draft.offline import sample_responses, task_data, train_draft_offline
 from cospec.draft.policy_outputs import RecomputedBatches, pack_answers, policy_batches
+from cospec.models.draft import default_tap_layers
 from cospec.models.llama import Transformer
 
 OVERRIDES = ["draft.num_train_prompts=12", "draft.num_eval_prompts=4", "sampling.max_new_tokens=10",
@@ -36,6 +42,24 @@ def test_answers_pack_in_order_within_the_token_budget_and_each_answer_once(setu
     assert len(packed) > 2  # the budget splits these answers: several batches to draw from
 
 
+def test_a_batch_holds_the_policys_own_taps_and_its_logits_on_the_head_plus_a_bucket(setup):
+    """Against the policy called directly on the packed answers and `compress_to_head`."""
+    cfg, policy, answers = setup
+    ids = torch.arange(0, 24, 2)
+    packed = pack_answers(answers, cfg.draft.tokens_per_batch)[1]
+    taps = default_tap_layers(cfg.model.num_layers)
+    with torch.no_grad():
+        out = policy(packed.tokens, cu_seqlens=packed.cu_seqlens, tap_layers=taps)
+    for keep in (True, False):
+        batch = policy_batches(cfg, policy, answers, vocab_ids=ids, keep=keep)[1]
+        assert torch.equal(batch.tokens, packed.tokens[0])
+        assert torch.equal(batch.loss_mask, packed.loss_mask[0])
+        assert batch.taps.keys() == set(taps)  # the default low, mid and high taps
+        assert all(torch.equal(batch.taps[k], out.taps[k][0]) for k in batch.taps)
+        assert torch.equal(batch.policy_logits,
+                           compress_to_head(out.logits[0], ids, cfg.sampling.temperature))
+
+
 def test_recomputed_batches_are_the_kept_ones_bit_for_bit(setup):
     cfg, policy, answers = setup
     ids = torch.arange(0, 24, 2)
@@ -60,8 +84,10 @@ def test_recomputed_batches_hold_nothing_and_run_one_policy_forward_per_read(set
     assert not calls and len(lazy) > 2
     first, again = lazy[1], lazy[1]
     assert len(calls) == 2 and torch.equal(first.policy_logits, again.policy_logits)
-    assert not any(isinstance(v, torch.Tensor) and v.numel() > 1 and v.is_floating_point()
-                   for v in vars(lazy).values())
+    read = weakref.ref(first.policy_logits)
+    del first, again
+    gc.collect()
+    assert read() is None  # the sequence kept no reference to what it computed
     with pytest.raises(IndexError):
         lazy[len(lazy)]
 
@@ -99,11 +125,12 @@ def test_keeping_outputs_past_the_available_memory_fails_before_the_second_forwa
                     for t in [per_batch.policy_logits, *per_batch.taps.values()])
     total_tokens = sum(p.tokens.shape[1] for p in pack_answers(answers, cfg.draft.tokens_per_batch))
     calls.clear()
-    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: per_token * total_tokens)
+    need = per_token * total_tokens
+    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: int(need / 0.91))
     with pytest.raises(ConfigError, match="draft.keep_policy_outputs=false"):
-        policy_batches(cfg, policy, answers)  # needs all the memory: more than 90% of it
+        policy_batches(cfg, policy, answers)  # 91% of the memory: past the 90% they may take
     assert len(calls) == 1
-    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: 2 * per_token * total_tokens)
+    monkeypatch.setattr(policy_outputs, "available_memory", lambda device: int(need / 0.89))
     assert len(policy_batches(cfg, policy, answers)) > 2
     monkeypatch.setattr(policy_outputs, "available_memory", lambda device: None)  # cannot be told
     assert len(policy_batches(cfg, policy, answers)) > 2
@@ -111,6 +138,7 @@ def test_keeping_outputs_past_the_available_memory_fails_before_the_second_forwa
 
 def test_the_hosts_available_memory_is_read_where_it_can_be():
     available = policy_outputs.available_memory("cpu")
-    assert available is None or available > 0
+    if sys.platform == "linux":
+        assert available is not None and available > 0
     if torch.cuda.is_available():
         assert policy_outputs.available_memory("cuda") > 0

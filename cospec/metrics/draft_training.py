@@ -13,6 +13,12 @@ from pathlib import Path
 from cospec.atomic_file import save_figure_atomically
 
 
+def _series_label(key: str, series: int, j: int) -> str:
+    if key != "acceptance":
+        return "cross-entropy"
+    return "next token" if series == 1 else f"TTT step {j + 1}"  # a draft LM has one series
+
+
 def plot_draft_training(metrics: dict, path: str | Path) -> Path:
     """Two panels: the training loss by step (and its 20-step mean); the held-out acceptance
     (1 - TV) of each TTT step (a draft LM: of its next token), or the held-out cross-entropy where
@@ -37,8 +43,7 @@ def plot_draft_training(metrics: dict, path: str | Path) -> Path:
         x = [h["step"] for h in held]
         for j in range(len(held[0][key])):
             ax_held.plot(x, [h[key][j] for h in held], marker="o", ms=3,
-                         label=("cross-entropy" if key != "acceptance" else "next token"
-                                if len(held[0][key]) == 1 else f"TTT step {j + 1}"))
+                         label=_series_label(key, len(held[0][key]), j))
         ax_held.legend(loc="lower right" if key == "acceptance" else "upper right", frameon=False)
     else:
         ax_held.text(0.5, 0.5, "no held-out answers (draft.num_eval_prompts=0)",

@@ -49,9 +49,9 @@ OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
 
 def train(variant: str, cfg, policy, vocab_ids, train_b, held_b, save: Path | None) -> None:
     base, *options = variant.split("+")
-    chosen = {"lr": float, "tv_weight": float}
-    given = {key: cast(o.split("=", 1)[1]) for key, cast in chosen.items() for o in options
-             if o.startswith(key.split("_")[0] + "=")}
+    fields = {"lr": "lr", "tv": "tv_weight"}  # the suffix's name -> the draft field it sets
+    given = {fields[name]: float(value) for name, value in
+             (o.split("=", 1) for o in options if "=" in o)}
     cfg = apply(cfg, {"draft": {"layer_from_policy": base == "layer", **given}})
     draft = build_draft(cfg, policy, vocab_ids)
     if "norm" in options:
