@@ -189,11 +189,9 @@ def cmd_draft_train(args) -> int:
     print(f"draft ({cfg.draft.kind}): {sum(p.numel() for p in draft.parameters()) / 1e6:.2f}M params, "
           f"{metrics['num_tokens']} policy-sampled tokens, {cfg.draft.train_steps} steps in "
           f"{metrics['train_seconds']:.0f}s, final loss {metrics['final_loss']:.3f}")
-    if "acceptance" in metrics["last_batch"]:
-        acc = metrics["last_batch"]["acceptance"]
-        where = "of the next token" if len(acc) == 1 else "by TTT step"
-        print(f"teacher-forced acceptance (1 - TV) {where} on the last batch: "
-              + ", ".join(f"{a:.2f}" for a in acc))
+    if acc := metrics["last_batch"].get("acceptance"):
+        step = "by TTT step" if len(acc) > 1 else "of the next token"  # a draft LM has one
+        print(f"teacher-forced acceptance (1 - TV) {step}, last batch: {', '.join(f'{a:.2f}' for a in acc)}")
     for h in metrics["held_out"]:
         key = "acceptance" if "acceptance" in h else "ce"
         print(f"  held-out ({metrics['num_held_out_answers']} answers) at step {h['step']}: {key} "
