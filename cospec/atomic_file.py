@@ -1,11 +1,11 @@
 """Files written whole or not at all.
 
 Every file cospec keeps across an interrupt (a checkpoint's `latest` pointer, a partial draft
-training, kept answers, metrics, stamps, summaries, figures) is written to a temporary sibling and then
-renamed over its final name. `os.replace` within one directory is a single rename on POSIX
-filesystems, so a reader sees either the old file or the new one, never a half-written one; the
-temporary file is fsynced before the rename so that a crash right after it cannot leave the new
-name pointing at data that never reached the disk. A failure or an interrupt while writing
+training, kept answers, metrics, stamps, summaries, figures) is written to a temporary sibling
+and then renamed over its final name. `os.replace` within one directory is a single rename on
+POSIX filesystems, so a reader sees either the old file or the new one, never a half-written one;
+the temporary file is fsynced before the rename so that a crash right after it cannot leave the
+new name pointing at data that never reached the disk. A failure or an interrupt while writing
 removes the temporary file and leaves the old one as it was.
 
 Whole directories (HF checkpoints, RL checkpoints) are staged and swapped in by their own
