@@ -234,3 +234,24 @@ def test_the_stale_draft_modes_build_on_a_cotraining_recipe_and_adaptive_is_kept
     fixed = make_trainer(cfg, "cotrain-ce", policy, draft, tmp_path)
     adaptive = make_trainer(cfg, "cotrain-ce", policy, draft, tmp_path, adaptive=True)
     assert not fixed.cfg.rollout.adaptive and adaptive.cfg.rollout.adaptive
+
+
+def test_the_stale_draft_cotrain_mode_co_trains_with_the_runs_own_loss_mix(tmp_path):
+    """`cotrain` co-trains as `cospec train` would, with the run's draft.tv_weight (a recipe's
+    0.75, say); `cotrain-ce` and `cotrain-tv` pin it to 0 and 1 whatever the run says."""
+    import torch
+
+    from cospec.config import resolve
+    from cospec.experiments.stale_draft import make_trainer
+    from cospec.models.draft import Eagle3Draft
+    from cospec.models.llama import Transformer
+
+    cfg = resolve("tiny", overrides=["draft.tv_weight=0.75"])
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model)
+    draft = Eagle3Draft.from_policy(policy)
+    mixes = {mode: make_trainer(cfg, mode, policy, draft, tmp_path / mode).cfg.draft
+             for mode in ("cotrain", "cotrain-ce", "cotrain-tv")}
+    assert {m: d.mode for m, d in mixes.items()} == dict.fromkeys(mixes, "cotrain")
+    assert {m: d.tv_weight for m, d in mixes.items()} == {"cotrain": 0.75, "cotrain-ce": 0.0,
+                                                           "cotrain-tv": 1.0}

@@ -4,7 +4,9 @@ does co-training keep it fresh?
 The same seeded RL run (same SFT policy, same prompt stream, same rollout seeds) under:
     none           plain rollouts (the reference for reward and for step time)
     frozen         speculative rollouts with the offline-trained draft, never updated
-    cotrain-ce     the same draft co-trained every step with soft cross-entropy
+    cotrain        the same draft co-trained every step with the run's own loss mix
+                   (draft.tv_weight, as `cospec train` co-trains; a recipe may set it)
+    cotrain-ce     ... with soft cross-entropy alone (tv_weight 0)
     cotrain-tv     ... with total variation (= 1 - acceptance)
     oracle         (--oracle) the draft retrained offline on the current policy every
                    draft.oracle_every steps: the upper bound co-training should approach
@@ -33,11 +35,12 @@ from cospec.metrics.run_log import finite_or_none
 MODES = {
     "none": {"rollout": {"speculative": False}, "draft": {"mode": "frozen"}},  # (no draft is used)
     "frozen": {"rollout": {"speculative": True}, "draft": {"mode": "frozen"}},
+    "cotrain": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain"}},
     "cotrain-ce": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 0.0}},
     "cotrain-tv": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 1.0}},
     "oracle": {"rollout": {"speculative": True}, "draft": {"mode": "oracle"}},
 }
-COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain-ce": "tab:orange",
+COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain": "tab:purple", "cotrain-ce": "tab:orange",
           "cotrain-tv": "tab:green", "oracle": "tab:red"}  # one color per mode in every plot
 
 
