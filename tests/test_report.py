@@ -116,3 +116,43 @@ def test_the_speedup_figure_shows_paired_speedups_where_the_benchmark_has_them()
         lines = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
         plt.close(fig)
         assert {k: lines[k] for k in expected} == {k: [v] for k, v in expected.items()}
+
+
+def test_the_summary_reads_draft_freshness_as_acceptance_too_which_plain_steps_do_not_dilute():
+    """Under adaptive gamma tau counts the steps decoded plainly (tau 1), so a controller that
+    speculates less looks like a staler draft; drafts accepted / judged does not. Steps where no
+    draft was judged (NaN) are left out of the means."""
+    from cospec.metrics.report import summarise
+
+    def step(i, tau, acceptance):
+        return {"step": i, "reward": 0.5, "kl_from_init": 0.0, "step_seconds": 10.0,
+                "time": {"generate": 5.0}, "time_share": {}, "accept_length": tau,
+                "acceptance": acceptance}
+
+    hist = [step(1, 2.0, 0.6), step(2, 1.2, 0.6), step(3, 1.0, float("nan")), step(4, 1.2, 0.6),
+            step(5, 1.1, 0.3), step(6, 1.1, 0.3), step(7, 1.0, float("nan"))]
+    row = summarise({"cotrain": hist})["cotrain"]  # fifths of 7 steps: the first and last one
+    assert row["tau_first"] == 2.0 and row["tau_last"] == 1.0
+    assert row["acceptance_first"] == 0.6 and row["acceptance_last"] is None
+    assert "acceptance_retained" not in row
+    row = summarise({"cotrain": hist[:6]})["cotrain"]
+    assert (row["acceptance_first"], row["acceptance_last"], row["acceptance_retained"]) == (0.6, 0.3, 0.5)
+
+
+def test_a_steps_draft_acceptance_is_drafts_accepted_over_drafts_judged():
+    """Row a accepts 2 of 4 drafts (3 judged: the third is the rejection), row b all 4; a plain
+    step (gamma 0) judges nothing and changes nothing: 6 of 7."""
+    from types import SimpleNamespace
+
+    from cospec.rl.step_metrics import speculation_metrics
+    from cospec.rollout.speculation_stats import SpeculationStats
+
+    st = SpeculationStats(reached=[0] * 4, accepted=[0] * 4)
+    counts = [[0] * 4, [0] * 4]
+    st.add_step(4, [2, 4], counts)
+    st.add_step(0, [0, 0], counts)
+    st.set_rows(counts)
+    batch = SimpleNamespace(stats=st, examples=[SimpleNamespace(family="add")] * 2)
+    m = speculation_metrics(batch, {"generate": 1.0})
+    assert m["acceptance"] == 6 / 7 and m["acceptance_by_family"] == {"add": 6 / 7}
+    assert m["accept_length"] == (3 + 5 + 1 + 1) / 4

@@ -161,12 +161,13 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
 
 def format_summary(summary: dict) -> str:
     head = (f"{'mode':>11} {'reward first':>12} {'last':>6} {'KL last':>8} {'tau first':>9} {'last':>6} "
-            f"{'kept':>6} {'step s':>7} {'rollout x':>9} {'tok/s x':>7} {'e2e x':>6} {'draft share':>11}")
+            f"{'kept':>6} {'acc first':>9} {'last':>5} {'step s':>7} {'rollout x':>9} {'tok/s x':>7} {'e2e x':>6} {'draft share':>11}")
     lines = [head, "-" * len(head)]
     for mode, r in summary.items():
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731
         lines.append(f"{mode:>11} {r['reward_first']:>12.3f} {r['reward_last']:>6.3f} {f('kl_last', '.3f'):>8} "
                      f"{f('tau_first', '.2f'):>9} {f('tau_last', '.2f'):>6} {f('tau_retained', '.0%'):>6} "
+                     f"{f('acceptance_first', '.2f'):>9} {f('acceptance_last', '.2f'):>5} "
                      f"{r['step_seconds']:>7.2f} {f('rollout_speedup_vs_none', '.2f'):>9} "
                      f"{f('rollout_tok_s_speedup_vs_none', '.2f'):>7} "
                      f"{f('e2e_speedup_vs_none', '.2f'):>6} {r['train_draft_share']:>11.1%}")

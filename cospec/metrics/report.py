@@ -173,8 +173,9 @@ def _draw_rollout_speedup(bench: dict, ax) -> None:
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:
-    """{run: reward, KL, tau over the first and last fifth of the run, mean step and generation
-    seconds, draft-training share, and speedups against the run named "none" when there is one}."""
+    """{run: reward, KL, tau and draft acceptance over the first and last fifth of the run, mean
+    step and generation seconds, draft-training share, and speedups against the run named "none"
+    when there is one}."""
     mean = _mean
     k = max(1, len(next(iter(runs.values()))) // 5)  # first / last fifth of the run
     # Times leave out step 1, which pays each trainer's one-time warm-up.
@@ -196,6 +197,11 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
             row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
             row["tau_retained"] = row["tau_last"] / row["tau_first"]
+        if "acceptance" in hist[0]:  # drafts accepted / judged (gamma-independent; None: none judged)
+            acc = [m["acceptance"] if m["acceptance"] == m["acceptance"] else None for m in hist]
+            row["acceptance_first"], row["acceptance_last"] = mean(acc[:k]), mean(acc[-k:])
+            if row["acceptance_first"] and row["acceptance_last"] is not None:
+                row["acceptance_retained"] = row["acceptance_last"] / row["acceptance_first"]
         if base_step:
             row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]
             if base_tok_s and row["rollout_tok_s"]:

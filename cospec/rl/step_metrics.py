@@ -52,7 +52,11 @@ def speculation_metrics(batch, seconds: dict) -> dict:
         f[1] += acc
         f[2] += tau
         f[3] += 1
-    m = {"accept_length": st.accept_length, "acceptance_by_position": st.acceptance_by_position,
+    judged, accepted = sum(st.reached), sum(st.accepted)
+    # Drafts accepted / drafts judged: unlike tau it does not count the steps an adaptive
+    # controller decoded plainly, so it reads the draft's freshness whatever gamma was chosen.
+    m = {"accept_length": st.accept_length, "acceptance": accepted / judged if judged else float("nan"),
+         "acceptance_by_position": st.acceptance_by_position,
          "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
          "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},
          "overshoot_by_position": st.overshoot_by_position,
