@@ -11,6 +11,7 @@ import subprocess
 
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 from cospec.cli import main
 from cospec.metrics.report import _draw_rollout_speedup, write_report
@@ -156,3 +157,16 @@ def test_a_steps_draft_acceptance_is_drafts_accepted_over_drafts_judged():
     m = speculation_metrics(batch, {"generate": 1.0})
     assert m["acceptance"] == 6 / 7 and m["acceptance_by_family"] == {"add": 6 / 7}
     assert m["accept_length"] == (3 + 5 + 1 + 1) / 4
+
+
+def test_the_stale_draft_experiment_keeps_each_modes_draft_as_the_run_left_it(report):
+    """frozen's is the offline draft untouched; the co-trained one has moved; plain has none."""
+    from cospec.models.draft_checkpoint import load_draft
+
+    out = report.parent.parent
+    offline = load_draft(out / "draft").state_dict()
+    frozen = load_draft(out / "stale-draft" / "frozen" / "draft").state_dict()
+    cotrained = load_draft(out / "stale-draft" / "cotrain-ce" / "draft").state_dict()
+    assert not (out / "stale-draft" / "none" / "draft").exists()
+    assert all(torch.equal(offline[k], frozen[k]) for k in offline)
+    assert any(not torch.equal(offline[k], cotrained[k]) for k in offline)

@@ -17,7 +17,9 @@ rollout.adaptive, for the rollout speed users get. Paired step times give
 the end-to-end speedup of each mode over `none` measured, not estimated.
 
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
-"config": ...}) and PNG plots beside it.
+"config": ...}), PNG plots beside it, and each speculative mode's draft as the run left it in
+``<out>/<mode>/draft`` (frozen: the offline draft; co-trained: after its last update), so what
+co-training did can be measured on fixed text afterwards.
 """
 
 from __future__ import annotations
@@ -131,6 +133,7 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     artifacts even when made with other settings (`cospec.artifacts`)."""
     from cospec.data.prompts import TaskData
     from cospec.artifacts import load_or_train_draft
+    from cospec.models.draft_checkpoint import save_draft
     from cospec.models.loading import load_tokenizer
     from cospec.artifacts import load_policy, pick_device
 
@@ -150,6 +153,9 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
         torch.manual_seed(cfg.grpo.seed)
         trainers[mode] = make_trainer(cfg, mode, policy, draft, out, tokenizer, adaptive=adaptive)
     runs = run_lockstep(trainers, cfg.grpo.steps, out)
+    for mode, trainer in trainers.items():  # what the run made of the draft, to measure offline
+        if trainer.draft is not None:
+            save_draft(trainer.draft, out / mode / "draft")
     result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
     write_json_atomically(out / "stale_draft.json", finite_or_none(result), indent=1)
     plot(runs, out)
