@@ -255,3 +255,24 @@ def test_the_stale_draft_cotrain_mode_co_trains_with_the_runs_own_loss_mix(tmp_p
     assert {m: d.mode for m, d in mixes.items()} == dict.fromkeys(mixes, "cotrain")
     assert {m: d.tv_weight for m, d in mixes.items()} == {"cotrain": 0.75, "cotrain-ce": 0.0,
                                                            "cotrain-tv": 1.0}
+
+
+def test_the_policy_movement_panel_says_when_kl_was_not_measured(tmp_path, monkeypatch):
+    """grpo.log_kl=false leaves kl_from_init NaN (null once in JSON): the panel says so instead
+    of an empty frame that reads as a policy that did not move."""
+    from cospec.experiments import stale_draft
+
+    saved = {}
+    monkeypatch.setattr(stale_draft, "save_figure_atomically",
+                        lambda fig, path, **kw: saved.setdefault(path.name, fig))
+
+    def run(kl):
+        return [{"step": i, "reward": 0.5, "kl_from_init": kl, "accept_length": 2.0,
+                 "time": {"generate": 1.0}} for i in (1, 2)]
+
+    for kl, says in ((float("nan"), True), (None, True), (0.01, False)):
+        saved.clear()
+        stale_draft.plot({"none": run(kl), "frozen": run(kl)}, tmp_path)
+        kl_panel = saved["tau_vs_step.png"].axes[1]
+        assert any("not measured" in t.get_text() for t in kl_panel.texts) == says
+        assert (kl_panel.get_legend() is not None) == (not says)

@@ -77,6 +77,10 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
     return runs
 
 
+def _measured(value) -> bool:
+    return value is not None and value == value  # None or NaN: not measured
+
+
 def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -92,7 +96,12 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
         ax2.plot(steps, [m["kl_from_init"] for m in hist], label=mode, color=COLORS[mode])
     ax1.set(xlabel="RL step", ylabel="tau (tokens per policy forward)", title="Draft freshness")
     ax2.set(xlabel="RL step", ylabel="KL(policy || initial policy) per token", title="Policy movement")
-    ax1.legend(), ax2.legend()
+    ax1.legend()
+    if any(_measured(m["kl_from_init"]) for hist in runs.values() for m in hist):
+        ax2.legend()
+    else:  # an empty frame would read as "no movement"
+        ax2.text(0.5, 0.5, "not measured\n(grpo.log_kl=false)", ha="center", va="center",
+                 transform=ax2.transAxes)
     fig.tight_layout()
     paths.append(out / "tau_vs_step.png")
     save_figure_atomically(fig, paths[-1], dpi=110)
