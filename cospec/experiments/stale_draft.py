@@ -102,6 +102,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     else:  # an empty frame would read as "no movement"
         ax2.text(0.5, 0.5, "not measured\n(grpo.log_kl=false)", ha="center", va="center",
                  transform=ax2.transAxes)
+        ax2.set(xticks=[], yticks=[])
     fig.tight_layout()
     paths.append(out / "tau_vs_step.png")
     save_figure_atomically(fig, paths[-1], dpi=110)
