@@ -361,7 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _experiment_args(e: argparse.ArgumentParser) -> None:
     e.add_argument("--modes", default="none,frozen,cotrain-ce,cotrain-tv",
-                   help="comma-separated of none, frozen, cotrain, cotrain-ce, cotrain-tv, oracle")
+                   help="comma-separated: none, frozen, cotrain, cotrain-ce, cotrain-tv, oracle")
     e.add_argument("--adaptive", action="store_true",
                    help="keep rollout.adaptive (default: gamma fixed at rollout.gamma, so tau is "
                         "comparable across steps and modes; adaptive measures the speed users get)")

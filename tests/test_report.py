@@ -131,13 +131,16 @@ def test_the_summary_reads_draft_freshness_as_acceptance_too_which_plain_steps_d
                 "acceptance": acceptance}
 
     hist = [step(1, 2.0, 0.6), step(2, 1.2, 0.6), step(3, 1.0, float("nan")), step(4, 1.2, 0.6),
-            step(5, 1.1, 0.3), step(6, 1.1, 0.3), step(7, 1.0, float("nan"))]
+            step(5, 1.1, 0.3), step(6, 1.1, 0.3), step(7, 1.0, None)]  # None: NaN read from JSON
     row = summarise({"cotrain": hist})["cotrain"]  # fifths of 7 steps: the first and last one
     assert row["tau_first"] == 2.0 and row["tau_last"] == 1.0
     assert row["acceptance_first"] == 0.6 and row["acceptance_last"] is None
     assert "acceptance_retained" not in row
     row = summarise({"cotrain": hist[:6]})["cotrain"]
-    assert (row["acceptance_first"], row["acceptance_last"], row["acceptance_retained"]) == (0.6, 0.3, 0.5)
+    assert (row["acceptance_first"], row["acceptance_last"]) == (0.6, 0.3)
+    assert row["acceptance_retained"] == 0.5
+    row = summarise({"cotrain": [step(1, 1.0, 0.0), *hist[1:6]]})["cotrain"]  # nothing accepted
+    assert row["acceptance_first"] == 0.0 and "acceptance_retained" not in row
 
 
 def test_a_steps_draft_acceptance_is_drafts_accepted_over_drafts_judged():

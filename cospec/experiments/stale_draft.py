@@ -42,7 +42,8 @@ MODES = {
     "cotrain-tv": {"rollout": {"speculative": True}, "draft": {"mode": "cotrain", "tv_weight": 1.0}},
     "oracle": {"rollout": {"speculative": True}, "draft": {"mode": "oracle"}},
 }
-COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain": "tab:purple", "cotrain-ce": "tab:orange",
+COLORS = {"none": "tab:gray", "frozen": "tab:blue", "cotrain": "tab:purple",
+          "cotrain-ce": "tab:orange",
           "cotrain-tv": "tab:green", "oracle": "tab:red"}  # one color per mode in every plot
 
 
@@ -177,7 +178,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
 
 def format_summary(summary: dict) -> str:
     head = (f"{'mode':>11} {'reward first':>12} {'last':>6} {'KL last':>8} {'tau first':>9} {'last':>6} "
-            f"{'kept':>6} {'acc first':>9} {'last':>5} {'step s':>7} {'rollout x':>9} {'tok/s x':>7} {'e2e x':>6} {'draft share':>11}")
+            f"{'kept':>6} {'acc first':>9} {'last':>5} "
+            f"{'step s':>7} {'rollout x':>9} {'tok/s x':>7} {'e2e x':>6} {'draft share':>11}")
     lines = [head, "-" * len(head)]
     for mode, r in summary.items():
         f = lambda k, fmt: format(r[k], fmt) if r.get(k) is not None else "-"  # noqa: E731

@@ -197,10 +197,11 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             row["tau_first"] = mean([m["accept_length"] for m in hist[:k]])
             row["tau_last"] = mean([m["accept_length"] for m in hist[-k:]])
             row["tau_retained"] = row["tau_last"] / row["tau_first"]
-        if "acceptance" in hist[0]:  # drafts accepted / judged (gamma-independent; None: none judged)
+        if "acceptance" in hist[0]:  # drafts accepted / judged; NaN in memory, null in JSON:
+            # a step that judged no draft, left out of the means
             acc = [m["acceptance"] if m["acceptance"] == m["acceptance"] else None for m in hist]
             row["acceptance_first"], row["acceptance_last"] = mean(acc[:k]), mean(acc[-k:])
-            if row["acceptance_first"] and row["acceptance_last"] is not None:
+            if row["acceptance_first"] not in (None, 0.0) and row["acceptance_last"] is not None:
                 row["acceptance_retained"] = row["acceptance_last"] / row["acceptance_first"]
         if base_step:
             row["e2e_speedup_vs_none"] = base_step / row["step_seconds"]

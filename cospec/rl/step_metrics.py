@@ -53,9 +53,11 @@ def speculation_metrics(batch, seconds: dict) -> dict:
         f[2] += tau
         f[3] += 1
     judged, accepted = sum(st.reached), sum(st.accepted)
-    # Drafts accepted / drafts judged: unlike tau it does not count the steps an adaptive
-    # controller decoded plainly, so it reads the draft's freshness whatever gamma was chosen.
-    m = {"accept_length": st.accept_length, "acceptance": accepted / judged if judged else float("nan"),
+    # Drafts accepted / drafts judged: unlike tau it leaves out the steps an adaptive controller
+    # decoded plainly, so those do not dilute it (it still weighs the positions as judged, and
+    # deeper positions, judged only at larger gamma, accept less).
+    m = {"accept_length": st.accept_length,
+         "acceptance": accepted / judged if judged else float("nan"),
          "acceptance_by_position": st.acceptance_by_position,
          "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
          "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},

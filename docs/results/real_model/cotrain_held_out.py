@@ -41,8 +41,8 @@ def main(named: list[tuple[str, Path]]) -> None:
     cfg = with_checkpoint_model(resolve("smollm2-math", overrides=OVERRIDES))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
-    store = answer_store(apply(cfg, {"out_dir": os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")}),
-                         starting_policy_fields(cfg))
+    answers_dir = os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")
+    store = answer_store(apply(cfg, {"out_dir": answers_dir}), starting_policy_fields(cfg))
     held = policy_answers(cfg, policy, data, "held_out", 48, store=store)
     print(f"{sum(len(a.tokens) for a in held)} held-out answer tokens", flush=True)
     with torch.inference_mode():
