@@ -78,10 +78,6 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
     return runs
 
 
-def _measured(value) -> bool:
-    return value is not None and value == value  # None or NaN: not measured
-
-
 def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     import matplotlib
 
@@ -98,7 +94,7 @@ def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:
     ax1.set(xlabel="RL step", ylabel="tau (tokens per policy forward)", title="Draft freshness")
     ax2.set(xlabel="RL step", ylabel="KL(policy || initial policy) per token", title="Policy movement")
     ax1.legend()
-    if any(_measured(m["kl_from_init"]) for hist in runs.values() for m in hist):
+    if any(finite_or_none(m["kl_from_init"]) is not None for hist in runs.values() for m in hist):
         ax2.legend()
     else:  # an empty frame would read as "no movement"
         ax2.text(0.5, 0.5, "not measured\n(grpo.log_kl=false)", ha="center", va="center",

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from cospec.atomic_file import write_text_atomically
 from cospec.metrics.report_page import page
-from cospec.metrics.run_log import read_jsonl
+from cospec.metrics.run_log import finite_or_none, read_jsonl
 
 COLORS = ["tab:gray", "tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown"]
 
@@ -199,7 +199,7 @@ def summarise(runs: dict[str, list[dict]]) -> dict:
             row["tau_retained"] = row["tau_last"] / row["tau_first"]
         if "acceptance" in hist[0]:  # drafts accepted / judged; NaN in memory, null in JSON:
             # a step that judged no draft, left out of the means
-            acc = [m["acceptance"] if m["acceptance"] == m["acceptance"] else None for m in hist]
+            acc = [finite_or_none(m["acceptance"]) for m in hist]
             row["acceptance_first"], row["acceptance_last"] = mean(acc[:k]), mean(acc[-k:])
             if row["acceptance_first"] not in (None, 0.0) and row["acceptance_last"] is not None:
                 row["acceptance_retained"] = row["acceptance_last"] / row["acceptance_first"]
