@@ -173,3 +173,28 @@ def test_the_stale_draft_experiment_keeps_each_modes_draft_as_the_run_left_it(re
     assert not (out / "stale-draft" / "none" / "draft").exists()
     assert all(torch.equal(offline[k], frozen[k]) for k in offline)
     assert any(not torch.equal(offline[k], cotrained[k]) for k in offline)
+
+
+def test_the_stale_draft_experiment_checkpoints_every_mode_as_train_does(report):
+    """At the last step (2 here) each mode has a whole checkpoint of its own run (`cospec train`'s
+    format, which its tests specify: policy, trainer state, config), with the draft as the run
+    left it. (The tiny runs earn no reward, so their policies do not move: what a saved policy
+    holds is specified with the trainer's checkpoints, not here.)"""
+    from cospec.experiments.stale_draft import MODES as MODE_SETTINGS
+    from cospec.models.draft_checkpoint import load_draft
+    from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint
+
+    out = report.parent.parent
+    for mode in MODES:
+        path = latest_checkpoint(out / "stale-draft" / mode / "checkpoints")
+        assert path is not None and path.name == "step_000002", mode
+        ckpt = load_checkpoint(path)
+        assert ckpt["trainer_state"]["step"] == 2
+        assert ckpt["config"]["rollout"]["speculative"] == MODE_SETTINGS[mode]["rollout"]["speculative"]
+        assert ckpt["config"]["out_dir"] == str(out / "stale-draft" / mode)
+        if mode == "none":
+            assert ckpt["draft"] is None
+            continue
+        kept = load_draft(out / "stale-draft" / mode / "draft").state_dict()
+        saved = ckpt["draft"].state_dict()
+        assert all(torch.equal(kept[k], saved[k]) for k in kept), mode

@@ -19,7 +19,10 @@ the end-to-end speedup of each mode over `none` measured, not estimated.
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
 "config": ...}), PNG plots beside it, and each speculative mode's draft as the run left it in
 ``<out>/<mode>/draft`` (frozen: the offline draft; co-trained: after its last update), so what
-co-training did can be measured on fixed text afterwards.
+co-training did can be measured on fixed text afterwards. Each mode is also checkpointed as
+`cospec train` checkpoints (``<out>/<mode>/checkpoints/step_NNNNNN``: the policy, the draft and the
+trainer state; every grpo.checkpoint_every steps and at the last), so the policy a mode moved to
+can be measured too: how stale a frozen draft is against it is a question about both.
 """
 
 from __future__ import annotations
@@ -61,7 +64,8 @@ def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path, tokenizer=
 
 def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]:
     """Step t of every mode, then step t + 1 of every mode, ...: slow drift of a shared machine
-    then hits all modes alike, which makes their step times comparable (paired)."""
+    then hits all modes alike, which makes their step times comparable (paired). Each mode is
+    checkpointed every grpo.checkpoint_every steps and at the last one, outside its step's time."""
     from cospec.metrics.progress import progress_bar
     from cospec.metrics.run_log import RunLog
     from cospec.rl.step_metrics import console_line
@@ -74,6 +78,8 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
                 metrics = trainer.run_step()
                 logs[mode].log(trainer.step, metrics)
                 runs[mode].append({"step": trainer.step, **metrics})
+                if trainer.step % trainer.g.checkpoint_every == 0 or trainer.step == steps:
+                    trainer.save()  # as `cospec train` does: policy, draft, trainer state
                 advance(f"{mode}: {console_line(metrics)}")
     return runs
 
