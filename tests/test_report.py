@@ -20,14 +20,16 @@ MODES = ("none", "frozen", "cotrain-ce")
 FIGURES = ("reward_vs_step.png", "tau_and_kl_vs_step.png", "acceptance_by_position.png",
            "acceptance_by_family.png", "overshoot_by_position.png", "step_time_split.png",
            "rollout_speedup_vs_batch.png")
+EARLIER_RUNS_CHECKPOINT = "step_000020"  # left where the fixture's run writes, as by an earlier run
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("run")
+    (out / "stale-draft" / "frozen" / "checkpoints" / EARLIER_RUNS_CHECKPOINT).mkdir(parents=True)
     assert main(["experiment", "stale-draft", "--modes", ",".join(MODES), "--recipe", "tiny",
                  f"out_dir={out}", "grpo.steps=2", "sft.steps=3", "sft.warmup_steps=1",
-                 "sft.eval_prompts_per_family=2", "draft.train_steps=3",
+                 "sft.eval_prompts_per_family=2", "draft.train_steps=3", "grpo.checkpoint_every=3",
                  "draft.num_train_prompts=8", "sampling.max_new_tokens=12"]) == 0
     bench = out / "rollout.json"
     bench.write_text('{"results": [{"batch_size": 1, "speedup": 1.4, "adaptive_speedup": 1.3, '
@@ -176,15 +178,17 @@ def test_the_stale_draft_experiment_keeps_each_modes_draft_as_the_run_left_it(re
 
 
 def test_the_stale_draft_experiment_checkpoints_every_mode_as_train_does(report):
-    """At the last step (2 here) each mode has a whole checkpoint of its own run (`cospec train`'s
-    format, which its tests specify: policy, trainer state, config), with the draft as the run
-    left it. (The tiny runs earn no reward, so their policies do not move: what a saved policy
-    holds is specified with the trainer's checkpoints, not here.)"""
+    """At the last step (2 here, checkpoint_every 3) each mode has a whole checkpoint of its own
+    run (`cospec train`'s format, which its tests specify: policy, trainer state, config), with
+    the draft as the run left it, and no earlier run's checkpoint survives to pass for it. (The
+    tiny runs earn no reward, so their policies do not move: what a saved policy holds is
+    specified with the trainer's checkpoints, not here.)"""
     from cospec.experiments.stale_draft import MODES as MODE_SETTINGS
     from cospec.models.draft_checkpoint import load_draft
     from cospec.rl.checkpoint import latest_checkpoint, load_checkpoint
 
     out = report.parent.parent
+    assert not (out / "stale-draft" / "frozen" / "checkpoints" / EARLIER_RUNS_CHECKPOINT).exists()
     for mode in MODES:
         path = latest_checkpoint(out / "stale-draft" / mode / "checkpoints")
         assert path is not None and path.name == "step_000002", mode
@@ -197,4 +201,4 @@ def test_the_stale_draft_experiment_checkpoints_every_mode_as_train_does(report)
             continue
         kept = load_draft(out / "stale-draft" / mode / "draft").state_dict()
         saved = ckpt["draft"].state_dict()
-        assert all(torch.equal(kept[k], saved[k]) for k in kept), mode
+        assert kept.keys() == saved.keys() and all(torch.equal(kept[k], saved[k]) for k in kept), mode

@@ -28,6 +28,7 @@ can be measured too: how stale a frozen draft is against it is a question about 
 from __future__ import annotations
 
 import copy
+import shutil
 from pathlib import Path
 
 import torch
@@ -65,7 +66,8 @@ def make_trainer(cfg: RunConfig, mode: str, policy, draft, out: Path, tokenizer=
 def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]:
     """Step t of every mode, then step t + 1 of every mode, ...: slow drift of a shared machine
     then hits all modes alike, which makes their step times comparable (paired). Each mode is
-    checkpointed every grpo.checkpoint_every steps and at the last one, outside its step's time."""
+    checkpointed every grpo.checkpoint_every steps and at the last one, once every mode has run
+    that step: outside every step's timed part (the disk's writeback may still overlap the next)."""
     from cospec.metrics.progress import progress_bar
     from cospec.metrics.run_log import RunLog
     from cospec.rl.step_metrics import console_line
@@ -73,14 +75,15 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
     runs: dict[str, list[dict]] = {m: [] for m in trainers}
     logs = {m: RunLog(out / m / "metrics.jsonl") for m in trainers}
     with progress_bar(True, steps * len(trainers), "stale-draft") as advance:
-        for _ in range(steps):
+        for step in range(1, steps + 1):
             for mode, trainer in trainers.items():
                 metrics = trainer.run_step()
                 logs[mode].log(trainer.step, metrics)
                 runs[mode].append({"step": trainer.step, **metrics})
-                if trainer.step % trainer.g.checkpoint_every == 0 or trainer.step == steps:
-                    trainer.save()  # as `cospec train` does: policy, draft, trainer state
                 advance(f"{mode}: {console_line(metrics)}")
+            for trainer in trainers.values():  # as `cospec train` does: policy, draft, trainer state
+                if step % trainer.g.checkpoint_every == 0 or step == steps:
+                    trainer.save()
     return runs
 
 
@@ -152,6 +155,11 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
 
     out = Path(out_dir or f"{cfg.out_dir}/stale-draft")
     out.mkdir(parents=True, exist_ok=True)
+    for mode in modes:  # a rerun replaces its outputs: no earlier run's checkpoint may pass for its
+        old = out / mode / "checkpoints"
+        if old.exists():
+            print(f"removing {old}, an earlier stale-draft run's checkpoints")
+            shutil.rmtree(old)
     if policy is None:
         start = load_policy(cfg, pick_device(cfg.device), reuse=reuse)
         policy, tokenizer = start.policy, start.tokenizer

@@ -57,10 +57,12 @@ def main() -> None:
     data = TaskData.from_config(cfg.task, start.tokenizer)
     store = answer_store(apply(cfg, {"out_dir": os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")}),
                          starting_policy_fields(cfg))
-    drafts = {name: load_draft(path / "draft" if (path / "draft").is_dir() else path).eval()
-              for name, path in args.drafts}
+    device = next(start.policy.parameters()).device
+    drafts = {name: load_draft(path / "draft" if (path / "draft").is_dir() else path,
+                               device=device).eval() for name, path in args.drafts}
     columns = [("start", start.policy.eval(), store)]
-    columns += [(name, load_hf(path / "policy").eval(), None) for name, path in args.policies]
+    columns += [(name, load_hf(path / "policy", device=device).eval(), None)
+                for name, path in args.policies]
     start_answers = None
     own, fixed = {}, {}
     for pname, policy, kept in columns:
