@@ -245,6 +245,7 @@ def test_the_stats_say_where_the_time_went_by_gamma_and_in_switching_drafting_on
     assert st.switch_on_steps == len(switch_ons)
     assert st.switch_on_seconds == pytest.approx(sum(ctl.steps[i][2] for i in switch_ons))
     # every row the draft is called for is first prefilled into it, inside the draft's time
+    # (both are counts of the fake clock's reads, not seconds of a wall clock)
     assert 0 < st.draft_prefill_seconds <= st.draft_seconds
 
 

@@ -32,8 +32,13 @@ OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
 
 
 def score(cfg, policy, draft, answers) -> list[float]:
+    """The draft's held-out acceptance by TTT step, judged by ``policy`` on ``answers``."""
     batches = policy_batches(cfg, policy, answers, vocab_ids=draft.vocab_ids)
-    return [round(a, 3) for a in held_out_metrics(draft, batches, cfg)["acceptance"]]
+    return held_out_metrics(draft, batches, cfg)["acceptance"]
+
+
+def rounded(acceptance: list[float]) -> list[float]:
+    return [round(a, 3) for a in acceptance]
 
 
 def main(named: list[tuple[str, Path]]) -> None:
@@ -49,13 +54,13 @@ def main(named: list[tuple[str, Path]]) -> None:
         for name, path in named:
             is_checkpoint = (path / "draft").is_dir()
             draft = load_draft(path / "draft" if is_checkpoint else path).eval()
-            line = f"{name}: vs the starting policy {score(cfg, policy, draft, held)}"
+            line = f"{name}: vs the starting policy {rounded(score(cfg, policy, draft, held))}"
             if is_checkpoint:
                 own = load_hf(path / "policy").eval()
                 moved = max((a - b).abs().max().item() for a, b in
                             zip(own.state_dict().values(), policy.state_dict().values()))
-                line += (f", vs its run's policy {score(cfg, own, draft, held)} (largest weight "
-                         f"change {moved:.2e})")
+                line += (f", vs its run's policy {rounded(score(cfg, own, draft, held))} "
+                         f"(largest weight change {moved:.2e})")
             print(line, flush=True)
 
 

@@ -30,14 +30,14 @@ from cospec.artifacts import answer_store, load_policy, pick_device, starting_po
 from cospec.config import apply, resolve
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import policy_answers
-from cospec.draft.offline import held_out_metrics
-from cospec.draft.policy_outputs import policy_batches
 from cospec.models.draft_checkpoint import load_draft
 from cospec.models.hf_checkpoint import load_hf
 from cospec.models.loading import with_checkpoint_model
 
-OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
-             "rollout.dtype=float32", "grpo.autocast=", "draft.autocast="]
+# the script beside this one (its directory is on sys.path when run as a script): the same
+# settings and the same held-out scoring
+from cotrain_held_out import OVERRIDES, rounded, score
+
 HELD_OUT = 48
 
 
@@ -55,7 +55,8 @@ def main() -> None:
     cfg = with_checkpoint_model(resolve("smollm2-math", overrides=OVERRIDES))
     start = load_policy(cfg, pick_device(cfg.device))
     data = TaskData.from_config(cfg.task, start.tokenizer)
-    store = answer_store(apply(cfg, {"out_dir": os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")}),
+    answers_dir = os.environ.get("ANSWERS_OUT_DIR", "/tmp/draft_probe")
+    store = answer_store(apply(cfg, {"out_dir": answers_dir}),
                          starting_policy_fields(cfg))
     device = next(start.policy.parameters()).device
     drafts = {name: load_draft(path / "draft" if (path / "draft").is_dir() else path,
@@ -67,7 +68,8 @@ def main() -> None:
     own, fixed = {}, {}
     for pname, policy, kept in columns:
         t0 = time.perf_counter()
-        answers = policy_answers(cfg, policy, data, "held_out", HELD_OUT, store=kept, progress=False)
+        answers = policy_answers(cfg, policy, data, "held_out", HELD_OUT, store=kept,
+                                 progress=False)
         start_answers = start_answers or answers  # the first column is the starting policy
         tokens = sum(len(a.tokens) for a in answers)
         print(f"policy {pname}: {tokens} answer tokens ({tokens / HELD_OUT:.1f} an answer; "
@@ -75,11 +77,13 @@ def main() -> None:
         with torch.inference_mode():
             for dname, draft in drafts.items():
                 own[dname, pname] = score(cfg, policy, draft, answers)
-                fixed[dname, pname] = score(cfg, policy, draft, start_answers)
-                print(f"  draft {dname}: on its answers {[round(a, 3) for a in own[dname, pname]]}, "
-                      f"on the start's {[round(a, 3) for a in fixed[dname, pname]]}", flush=True)
+                fixed[dname, pname] = (own[dname, pname] if answers is start_answers
+                                       else score(cfg, policy, draft, start_answers))
+                print(f"  draft {dname}: on its answers {rounded(own[dname, pname])}, "
+                      f"on the start's {rounded(fixed[dname, pname])}", flush=True)
     names = [p for p, _, _ in columns]
-    for title, table in (("each policy's own answers", own), ("the starting policy's answers", fixed)):
+    for title, table in (("each policy's own answers", own),
+                         ("the starting policy's answers", fixed)):
         print(f"\n{title}: acceptance at TTT step 1 / mean over the 4 steps "
               f"(rows: drafts; columns: the policy that judges)")
         print(f"{'':>10}" + "".join(f"{p:>16}" for p in names))
@@ -87,10 +91,6 @@ def main() -> None:
             cells = [table[dname, p] for p in names]
             print(f"{dname:>10}" + "".join(f"{c[0]:>8.3f}{sum(c) / len(c):>8.3f}" for c in cells))
 
-
-def score(cfg, policy, draft, answers) -> list[float]:
-    batches = policy_batches(cfg, policy, answers, vocab_ids=draft.vocab_ids)
-    return held_out_metrics(draft, batches, cfg)["acceptance"]
 
 if __name__ == "__main__":
     main()
