@@ -119,10 +119,17 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
     assert "tau_first" in result["summary"]["frozen"] and "tau_first" not in result["summary"]["none"]
     for png in ("tau_vs_step.png", "reward_vs_step.png", "step_time_split.png"):
         assert (out / "stale-draft" / png).stat().st_size > 0
-    # --out puts another experiment beside the first, on the same SFT policy and draft.
+    made_by = json.loads((out / "draft" / "made_by.json").read_text())
+    assert result["start_draft"] == {"path": str(out / "draft"), "made_by": made_by}
+    # --out puts another experiment beside the first, on the same SFT policy and draft; --reuse
+    # keeps that draft under other draft settings, and the JSON says what the draft was made with
     assert main(["experiment", "stale-draft", "--modes", "frozen", "--out", str(tmp_path / "more"),
-                 *TINY, f"out_dir={out}", "grpo.steps=1"]) == 0
-    assert set(json.loads((tmp_path / "more" / "stale_draft.json").read_text())["modes"]) == {"frozen"}
+                 "--reuse", *TINY, f"out_dir={out}", "grpo.steps=1", "draft.train_steps=4"]) == 0
+    more = json.loads((tmp_path / "more" / "stale_draft.json").read_text())
+    assert set(more["modes"]) == {"frozen"}
+    assert more["config"]["draft"]["train_steps"] == 4
+    assert more["start_draft"]["made_by"] == made_by
+    assert made_by["fields"]["draft"]["train_steps"] == 3
     assert set(json.loads((out / "stale-draft" / "stale_draft.json").read_text())["modes"]) == {
         "none", "frozen", "cotrain-tv"}
 

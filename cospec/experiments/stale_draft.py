@@ -17,7 +17,9 @@ rollout.adaptive, for the rollout speed users get. Paired step times give
 the end-to-end speedup of each mode over `none` measured, not estimated.
 
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
-"config": ...}), PNG plots beside it, and each speculative mode's draft as the run left it in
+"config": ..., "start_draft": {"path", "made_by"}}: the draft the modes started from and the
+fields it was made with, which ``--reuse`` may have kept although the config's draft section says
+otherwise), PNG plots beside it, and each speculative mode's draft as the run left it in
 ``<out>/<mode>/draft`` (frozen: the offline draft; co-trained: after its last update), so what
 co-training did can be measured on fixed text afterwards. Each mode is also checkpointed as
 `cospec train` checkpoints (``<out>/<mode>/checkpoints/step_NNNNNN``: the policy, the draft and the
@@ -150,7 +152,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     a given policy comes with its tokenizer, or the run's is loaded). ``reuse``: keep out_dir's
     artifacts even when made with other settings (`cospec.artifacts`)."""
     from cospec.data.prompts import TaskData
-    from cospec.artifacts import load_or_train_draft
+    from cospec.artifacts import load_or_train_draft, read_stamp
+    from cospec.draft.offline import draft_dir
     from cospec.models.draft_checkpoint import save_draft
     from cospec.models.loading import load_tokenizer
     from cospec.artifacts import load_policy, pick_device
@@ -167,10 +170,13 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
         policy, tokenizer = start.policy, start.tokenizer
     elif tokenizer is None:
         tokenizer = load_tokenizer(cfg.model)
+    start_draft = None  # a draft passed in says nothing of where it came from
     if draft is None:
         kind = "eagle3" if cfg.draft.kind == "lm" else cfg.draft.kind  # eagle3 or block
-        draft, _ = load_or_train_draft(apply(cfg, {"draft": {"kind": kind}}), policy,
-                                       data=TaskData.from_config(cfg.task, tokenizer), reuse=reuse)
+        draft_cfg = apply(cfg, {"draft": {"kind": kind}})
+        draft, _ = load_or_train_draft(draft_cfg, policy, reuse=reuse,
+                                       data=TaskData.from_config(cfg.task, tokenizer))
+        start_draft = {"path": str(draft_dir(draft_cfg)), "made_by": read_stamp(draft_dir(draft_cfg))}
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
@@ -179,7 +185,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
     for mode, trainer in trainers.items():  # what the run made of the draft, to measure offline
         if trainer.draft is not None:
             save_draft(trainer.draft, out / mode / "draft")
-    result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict()}
+    result = {"modes": runs, "summary": summarise(runs), "config": cfg.to_dict(),
+              "start_draft": start_draft}
     write_json_atomically(out / "stale_draft.json", finite_or_none(result), indent=1)
     plot(runs, out)
     if show:
