@@ -154,6 +154,10 @@ def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     families = result["acceptance_by_family"]
     assert set(families) == {"eagle3", "block"} and set(families["block"]) == set(families["eagle3"])
     assert result["meta"]["drafts"]["block"]["confidence"] is False
+    for kind, where in (("eagle3", "draft"), ("block", "draft_block")):  # what each was made with
+        stamp = json.loads((out / where / "made_by.json").read_text())
+        assert result["meta"]["drafts"][kind]["made_by"] == stamp
+        assert stamp["fields"]["draft"]["kind"] == kind
     # a kind not asked for is neither trained nor loaded
     shutil.rmtree(out / "draft")
     assert main(["bench", "rollout", "--quick", "--no-hf", "--batch-sizes", "2", "--drafts", "block",

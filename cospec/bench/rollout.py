@@ -44,11 +44,13 @@ from dataclasses import dataclass
 
 import torch
 
+from cospec.artifacts import read_stamp
 from cospec.atomic_file import write_json_atomically
 from cospec.bench.workloads import check_workload, task_prompts
 from cospec.config import RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tokenizer import EOS, PAD
+from cospec.draft.offline import draft_dir
 from cospec.rollout.adaptive import AdaptiveGamma
 from cospec.rollout.compiled_forward import compile_rollouts, longest_row, precompile_engine
 from cospec.rollout.engine import GenerationEngine
@@ -383,16 +385,16 @@ def _hf_assisted_with_a_draft_lm(run: _BenchInputs, rows: list[dict], *, reuse: 
 
 
 def _meta(run: _BenchInputs) -> dict:
-    """What the figures were measured on, for the JSON."""
+    """What the figures were measured on, for the JSON (with each draft's made_by.json stamp)."""
     config = run.cfg.to_dict()
     return {"model": config["model"], "task": config["task"],
             "draft_vocab_size": getattr(run.first_draft[1], "draft_vocab_size", None), "gamma": run.gamma,
             "drafts": {k: {"layers": len(d.layers), "params": sum(p.numel() for p in d.parameters()),
                            "correction": getattr(d, "has_correction", False),
-                           "confidence": getattr(d, "has_confidence", False)}
+                           "confidence": getattr(d, "has_confidence", False),
+                           "made_by": read_stamp(draft_dir(run.cfg, k))}
                        for k, d in run.drafts.items()},
-            "sampling": config["sampling"],
-            "torch": torch.__version__, "machine": platform.machine(),
+            "sampling": config["sampling"], "torch": torch.__version__, "machine": platform.machine(),
             "threads": torch.get_num_threads(), "device": str(run.device), "quick": run.quick,
             "compile": compile_rollouts(run.cfg.rollout.compile, run.device),
             "workload": run.workload}
