@@ -176,7 +176,8 @@ def run_cli(cfg: RunConfig, *, modes: list[str], out_dir: str | None = None, pol
         draft_cfg = apply(cfg, {"draft": {"kind": kind}})
         draft, _ = load_or_train_draft(draft_cfg, policy, reuse=reuse,
                                        data=TaskData.from_config(cfg.task, tokenizer))
-        start_draft = {"path": str(draft_dir(draft_cfg)), "made_by": read_stamp(draft_dir(draft_cfg))}
+        path = draft_dir(draft_cfg)
+        start_draft = {"path": str(path), "made_by": read_stamp(path)}
     trainers = {}
     for mode in modes:
         torch.manual_seed(cfg.grpo.seed)
