@@ -9,8 +9,14 @@
   HF form). Its stated context length is the source checkpoint's, not the run's cache length.
 - ``DIR/draft_eagle3``: the EAGLE-3 draft in the layout vLLM's and SGLang's EAGLE-3 loaders and
   SpecForge read (`cospec.models.eagle3_export`; what differs in their use of it is written there).
-  A block draft or a draft LM is not exported, and the command says so: no serving stack reads
-  a layout cospec could write for them.
+  A block draft or a draft LM is not exported, and the command says so. vLLM and SGLang do load
+  DFlash drafts (method ``dflash``), but that model computes differently from cospec's block draft
+  in ways no rewriting of weights bridges: attention both ways inside the block (cospec's is
+  causal, so a shorter block is a prefix of a longer one), Qwen3's q/k norms, one context norm
+  shared by all layers (cospec has one per layer), a mask token of the target's vocabulary (cospec
+  learns a mask embedding), the target's full head (cospec's may be reduced), and no sequential
+  correction or confidence head. Written in that layout, the engines would draft from another
+  function than the one cospec trained.
 
 What is exported: the latest RL checkpoint under out_dir/rl/checkpoints when there is one (the
 policy and draft as trained), else the run's starting policy and its offline draft (out_dir/draft).
@@ -91,8 +97,8 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
         export_eagle3(draft, out / "draft_eagle3", max_position_embeddings=context)
         written["draft_eagle3"] = out / "draft_eagle3"
     elif draft is not None or cfg.draft.kind != "eagle3":
-        # no serving stack reads a block draft or a draft LM in a layout cospec could write for
-        # it (DFlash's own checkpoints come with their own modelling code): say so, not nothing
+        # no engine computes a block draft (or a draft LM) the way cospec does (the module
+        # docstring lists how DFlash's layout differs): say so, not nothing
         kind = (cfg.draft.kind if draft is None
                 else "block" if isinstance(draft, BlockDraft) else "lm")
         print(f"the {kind} draft is not exported: only an EAGLE-3 draft has a layout other tools "
