@@ -3,7 +3,7 @@
 ``grpo.autocast = "bfloat16"`` runs the policy step's forwards under `torch.autocast` (and
 ``draft.autocast`` the draft's training forwards): matmuls in bf16, reductions, softmaxes and the
 losses (which upcast their logits explicitly) in fp32; weights, gradients and optimizer state
-stay in ``model.dtype``. On CPUs with AMX this makes a SmolLM2 forward + backward 2.4x faster
+stay in ``model.dtype``. On CPUs with AMX this makes a SmolLM2 forward + backward 2.3-3.5x faster
 (docs/results/real_model.md); on GPUs it is how RL trainers run. The backward runs outside the
 context, as PyTorch recommends: it follows the dtypes the forward recorded.
 
