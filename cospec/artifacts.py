@@ -247,7 +247,7 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
         print(f"draft {path} does not fit this policy and draft config: retraining")
     checkpoint = OfflineCheckpoint(path.with_name(path.name + ".partial"), fingerprint(fields))
     if fresh:
-        checkpoint.remove()
+        checkpoint.remove(other_settings=True)
     answers = answer_store(cfg, policy_fields)
     draft, metrics = train_draft_offline(cfg, policy, data=data, progress=progress, answers=answers,
                                          checkpoint=checkpoint)

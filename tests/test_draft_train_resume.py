@@ -139,7 +139,7 @@ def test_an_interrupted_draft_training_resumes_to_the_same_weights_bit_for_bit(p
     stop_training_at(monkeypatch, 6)  # after the checkpoint at step 4
     with pytest.raises(KeyboardInterrupt):
         load_or_train_draft(cfg, policy, progress=False)
-    assert (tmp_path / "b" / "draft.partial" / "state.pt").exists()
+    assert len(list((tmp_path / "b" / "draft.partial").glob("state-*.pt"))) == 1
     assert not (tmp_path / "b" / "draft").exists()
     monkeypatch.undo()
     no_sampling(monkeypatch)  # the answers were kept
@@ -152,22 +152,61 @@ def test_an_interrupted_draft_training_resumes_to_the_same_weights_bit_for_bit(p
     assert not (tmp_path / "b" / "draft.partial").exists(), "the partial state outlived the draft"
 
 
-def test_a_partial_training_made_with_other_settings_or_discarded_is_not_resumed(policy, tmp_path, monkeypatch, capsys):
-    cfg = tiny(tmp_path)
-    stop_training_at(monkeypatch, 4)
+def test_a_partial_training_of_other_settings_is_kept_not_overwritten_and_resumes_when_they_return(
+        policy, tmp_path, monkeypatch, capsys):
+    cfg, other = tiny(tmp_path), apply(tiny(tmp_path), {"draft": {"lr": 1e-3}})
+    partial = tmp_path / "draft.partial"
+    stop_training_at(monkeypatch, 4)  # after the checkpoint at step 2
     with pytest.raises(KeyboardInterrupt):
         load_or_train_draft(cfg, policy, progress=False)
-    monkeypatch.undo()
-    load_or_train_draft(apply(cfg, {"draft": {"lr": 1e-3}}), policy, progress=False)
-    assert "was made with other settings: starting over" in capsys.readouterr().out
+    (mine,) = partial.glob("state-*.pt")
+    before = mine.read_bytes()
 
-    stop_training_at(monkeypatch, 4)
-    with pytest.raises(KeyboardInterrupt):
-        load_or_train_draft(cfg, policy, progress=False)
     monkeypatch.undo()
+    stop_training_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):  # a run with another lr, interrupted the same way
+        load_or_train_draft(other, policy, progress=False)
+    out = capsys.readouterr().out
+    assert "also holds 1 partial draft training(s) made with other settings" in out
+    assert "resuming" not in out
+    assert mine.read_bytes() == before, "another run's settings overwrote the partial training"
+    assert len(list(partial.glob("state-*.pt"))) == 2
+
+    monkeypatch.undo()
+    whole, _ = load_or_train_draft(tiny(tmp_path / "whole"), policy, progress=False)
+    no_sampling(monkeypatch)
+    resumed, _ = load_or_train_draft(cfg, policy, progress=False)
+    assert f"resuming draft training at step 2 of 6 from {mine}" in capsys.readouterr().out
+    for (name, a), (_, b) in zip(whole.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert not mine.exists() and len(list(partial.glob("state-*.pt"))) == 1  # the other is kept
+
+
+def test_fresh_discards_every_partial_training(policy, tmp_path, monkeypatch, capsys):
+    cfg, other = tiny(tmp_path), apply(tiny(tmp_path), {"draft": {"lr": 1e-3}})
+    for c in (cfg, other):
+        stop_training_at(monkeypatch, 4)
+        with pytest.raises(KeyboardInterrupt):
+            load_or_train_draft(c, policy, progress=False)
+        monkeypatch.undo()
+    assert len(list((tmp_path / "draft.partial").glob("state-*.pt"))) == 2
     capsys.readouterr()
     load_or_train_draft(cfg, policy, progress=False, fresh=True)
     assert "resuming" not in capsys.readouterr().out
+    assert not (tmp_path / "draft.partial").exists()
+
+
+def test_a_partial_training_under_the_old_single_name_still_resumes(policy, tmp_path, monkeypatch, capsys):
+    cfg = tiny(tmp_path)
+    stop_training_at(monkeypatch, 6)  # after the checkpoint at step 4
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(cfg, policy, progress=False)
+    monkeypatch.undo()
+    (mine,) = (tmp_path / "draft.partial").glob("state-*.pt")
+    legacy = mine.rename(mine.with_name("state.pt"))  # as cospec wrote it before per-settings names
+    load_or_train_draft(cfg, policy, progress=False)
+    assert f"resuming draft training at step 4 of 6 from {legacy}" in capsys.readouterr().out
+    assert not (tmp_path / "draft.partial").exists()
 
 
 def test_held_out_acceptance_is_measured_as_the_draft_trains_and_saved_beside_it(policy, tmp_path):

@@ -204,7 +204,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
         order.setstate(_as_random_state(state["order"]))
         history, held_out, start = list(state["history"]), list(state["held_out"]), state["step"]
         seconds_before = state["train_seconds"]
-        print(f"resuming draft training at step {start} of {d.train_steps} from {checkpoint.path}")
+        print(f"resuming draft training at step {start} of {d.train_steps} from {checkpoint.loaded_from}")
     elif held_batches:
         held_out.append({"step": 0, **held_out_metrics(draft, held_batches, cfg)})
     draft.train()
