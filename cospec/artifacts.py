@@ -8,6 +8,12 @@ So each artifact directory holds ``made_by.json``: the config fields that produc
 the same for its own config: equal, the artifact is reused; different, it is rebuilt, with a
 message naming the fields that differ; ``--reuse`` (``reuse=True``) keeps it anyway, with a warning.
 
+A draft is not thrown away when another is made in its place: on a real model it stands for
+hours of training. The one replaced moves to a sibling named by its own fingerprint
+(``draft.made-<first 16 hex digits>``), and a later run whose fields have that fingerprint moves it
+back instead of training again (`kept_copy`, `set_aside`, `restore_kept`). The SFT policy of
+the embedded model (minutes) is rebuilt in place.
+
 What is left out is what cannot change the artifact: the SFT policy does not depend on the
 prompt source or the RL fields, a draft does not depend on how it is co-trained later.
 
@@ -21,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +130,39 @@ def read_stamp(path: Path) -> dict | None:
         return None
     ok = isinstance(stamp, dict) and isinstance(stamp.get("fields"), dict)
     return stamp if ok else None
+
+
+def kept_copy(path: Path, fp: str) -> Path:
+    """Where an artifact made with fingerprint `fp` is kept once another replaces it at `path`."""
+    return path.with_name(f"{path.name}.made-{fp[:16]}")
+
+
+def set_aside(path: Path, what: str) -> None:
+    """Move the artifact at `path` to its kept copy, so that another can take its place. One
+    without a readable stamp has nothing to be found again by and is removed."""
+    stamp = read_stamp(path)
+    if stamp is None:
+        shutil.rmtree(path)
+        return
+    dest = kept_copy(path, stamp["fingerprint"])
+    if dest.exists():
+        shutil.rmtree(dest)
+    path.rename(dest)
+    print(f"keeping the {what} made with other settings as {dest} (it comes back when they do)")
+
+
+def restore_kept(path: Path, fields: dict, what: str) -> None:
+    """Bring back the kept copy made with `fields` when `path` holds one of other settings."""
+    fp = fingerprint(fields)
+    kept = kept_copy(path, fp)
+    if not kept.exists() or (read_stamp(kept) or {}).get("fingerprint") != fp:
+        return
+    if path.exists():
+        if (read_stamp(path) or {}).get("fingerprint") == fp:
+            return
+        set_aside(path, what)
+    kept.rename(path)
+    print(f"restored the {what} made with these settings from {kept}")
 
 
 def made_by_fields(path: Path) -> dict | None:
@@ -239,6 +279,7 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
     device = next(policy.parameters()).device
     policy_fields = starting_policy_fields(cfg)
     fields = draft_fields(cfg, policy_fields)
+    restore_kept(path, fields, "draft")
     if (not force and path.exists()
             and reuse_decision(path, fields, reuse=reuse, what="draft")):
         draft = load_draft(path, device=device)
@@ -256,6 +297,8 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
         raise NonFiniteError(f"offline draft training diverged (final loss {metrics['final_loss']}): "
                              f"non-finite weights in {', '.join(bad[:3])}; nothing saved (lower "
                              f"draft.lr?)")
+    if path.exists() and (read_stamp(path) or {}).get("fingerprint") != fingerprint(fields):
+        set_aside(path, "draft")
     save_draft(draft, path)
     write_json_atomically(path / "train_metrics.json", metrics, indent=1)
     plot_draft_training(metrics, path / "training_curve.png")

@@ -79,6 +79,31 @@ def test_a_draft_is_rebuilt_when_its_policy_or_offline_fields_change_not_its_onl
     assert metrics is not None and mtime(weights) != first
 
 
+def test_a_replaced_draft_is_kept_and_comes_back_without_training_when_its_settings_do(tmp_path, capsys):
+    """A draft stands for hours of training on a real model: the one a changed field replaces moves
+    beside it (named by its fingerprint), and returning to its fields moves it back."""
+    cfg = tiny(tmp_path)
+    policy, _ = load_or_train_sft(cfg, CPU)
+    load_or_train_draft(cfg, policy, progress=False)
+    first = mtime(tmp_path / "draft" / "model.safetensors")
+    fp_first = json.loads((tmp_path / "draft" / MADE_BY).read_text())["fingerprint"]
+    longer = apply(cfg, {"draft": {"train_steps": 3}})
+
+    capsys.readouterr()
+    _, metrics = load_or_train_draft(longer, policy, progress=False)
+    kept = tmp_path / f"draft.made-{fp_first[:16]}"
+    assert metrics is not None and f"keeping the draft made with other settings as {kept}" in capsys.readouterr().out
+    assert mtime(kept / "model.safetensors") == first
+    second = mtime(tmp_path / "draft" / "model.safetensors")
+
+    _, metrics = load_or_train_draft(cfg, policy, progress=False)
+    assert metrics is None, "trained again instead of bringing the kept draft back"
+    assert f"restored the draft made with these settings from {kept}" in capsys.readouterr().out
+    assert mtime(tmp_path / "draft" / "model.safetensors") == first
+    (other,) = tmp_path.glob("draft.made-*")  # the longer one, kept in turn
+    assert mtime(other / "model.safetensors") == second
+
+
 def test_a_draft_records_the_policy_it_was_trained_on():
     """A new SFT policy (other sft.* fields) changes every draft's fingerprint: its samples and
     features came from the old policy."""
