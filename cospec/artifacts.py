@@ -9,10 +9,12 @@ the same for its own config: equal, the artifact is reused; different, it is reb
 message naming the fields that differ; ``--reuse`` (``reuse=True``) keeps it anyway, with a warning.
 
 A draft is not thrown away when another is made in its place: on a real model it stands for
-hours of training. The one replaced moves to a sibling named by its own fingerprint
-(``draft.made-<first 16 hex digits>``), and a later run whose fields have that fingerprint moves it
-back instead of training again (`kept_copy`, `set_aside`, `restore_kept`). The SFT policy of
-the embedded model (minutes) is rebuilt in place.
+hours of training. The one replaced moves to a sibling named by the first 16 hex digits of its
+own fingerprint (``draft.made-<16 hex>``; one without a readable stamp to ``draft.made-unstamped``),
+and a later run whose fields have that fingerprint moves it back instead of training again, even
+under ``--reuse`` (`kept_copy`, `set_aside`, `restore_kept`). They are never removed by cospec:
+each move names how many are kept and their size. The SFT policy of the embedded model
+(minutes) is rebuilt in place.
 
 What is left out is what cannot change the artifact: the SFT policy does not depend on the
 prompt source or the RL fields, a draft does not depend on how it is co-trained later.
@@ -128,7 +130,8 @@ def read_stamp(path: Path) -> dict | None:
         stamp = json.loads((Path(path) / MADE_BY).read_text())
     except (OSError, ValueError):
         return None
-    ok = isinstance(stamp, dict) and isinstance(stamp.get("fields"), dict)
+    ok = (isinstance(stamp, dict) and isinstance(stamp.get("fields"), dict)
+          and isinstance(stamp.get("fingerprint"), str))
     return stamp if ok else None
 
 
@@ -138,17 +141,18 @@ def kept_copy(path: Path, fp: str) -> Path:
 
 
 def set_aside(path: Path, what: str) -> None:
-    """Move the artifact at `path` to its kept copy, so that another can take its place. One
-    without a readable stamp has nothing to be found again by and is removed."""
+    """Move the artifact at `path` to its kept copy, so that another can take its place (one
+    without a readable stamp to ``.made-unstamped``: nothing finds it again, but it is not lost)."""
     stamp = read_stamp(path)
-    if stamp is None:
-        shutil.rmtree(path)
-        return
-    dest = kept_copy(path, stamp["fingerprint"])
-    if dest.exists():
+    dest = kept_copy(path, stamp["fingerprint"] if stamp else "unstamped")
+    if dest.exists():  # an older copy of the very same settings (or an older unstamped one)
         shutil.rmtree(dest)
     path.rename(dest)
-    print(f"keeping the {what} made with other settings as {dest} (it comes back when they do)")
+    kept = list(path.parent.glob(f"{path.name}.made-*"))
+    mb = sum(f.stat().st_size for d in kept for f in d.rglob("*") if f.is_file()) / 2**20
+    print(f"keeping the {what} made with other settings as {dest}"
+          + (" (it comes back when they do)" if stamp else " (it has no readable stamp)")
+          + f"; {len(kept)} kept beside {path.name}, {mb:.0f} MB: remove those you no longer need")
 
 
 def restore_kept(path: Path, fields: dict, what: str) -> None:
@@ -279,7 +283,8 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
     device = next(policy.parameters()).device
     policy_fields = starting_policy_fields(cfg)
     fields = draft_fields(cfg, policy_fields)
-    restore_kept(path, fields, "draft")
+    if not force:  # draft-train trains anew in any case: what is in place moves aside at the save
+        restore_kept(path, fields, "draft")
     if (not force and path.exists()
             and reuse_decision(path, fields, reuse=reuse, what="draft")):
         draft = load_draft(path, device=device)
@@ -300,9 +305,9 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
     if path.exists() and (read_stamp(path) or {}).get("fingerprint") != fingerprint(fields):
         set_aside(path, "draft")
     save_draft(draft, path)
+    write_made_by(path, fields)  # at once: an interrupt before it would leave the draft unstamped
     write_json_atomically(path / "train_metrics.json", metrics, indent=1)
     plot_draft_training(metrics, path / "training_curve.png")
-    write_made_by(path, fields)
     checkpoint.remove()
     print(f"saved draft to {path}")
     return draft, metrics

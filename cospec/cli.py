@@ -345,8 +345,8 @@ def build_parser() -> argparse.ArgumentParser:
     dt = _command(sub, "draft-train", cmd_draft_train, "train a draft on the SFT policy's samples "
                   "(resumes an interrupted one; the answers are kept in out_dir/draft_answers)")
     dt.add_argument("--fresh", action="store_true",
-                    help="discard every interrupted draft training (of any settings) instead of resuming "
-                         "one (the kept answers stay)")
+                    help="discard every interrupted training of this draft kind (of any settings) "
+                         "instead of resuming one (the kept answers stay)")
     r = _command(sub, "train", cmd_train, "GRPO from the SFT policy (plain or speculative rollouts)")
     r.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     r.add_argument("--fresh", action="store_true", help="discard an earlier run in out_dir/rl")

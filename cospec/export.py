@@ -67,7 +67,8 @@ def export_policy(policy, tokenizer: Tokenizer, path: Path, *, max_position_embe
 def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu",
                reuse: bool = False) -> dict[str, Path]:
     """Write the run's policy (and draft, when it has an EAGLE-3 one) under `out`; their paths."""
-    from cospec.artifacts import draft_fields, load_policy, reuse_decision, starting_policy_fields
+    from cospec.artifacts import (draft_fields, fingerprint, kept_copy, load_policy, read_stamp,
+                                  reuse_decision, starting_policy_fields)
     from cospec.draft.offline import draft_dir
     from cospec.models.draft_checkpoint import load_draft
     from cospec.models.eagle3_export import export_eagle3
@@ -88,6 +89,9 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
         policy, tokenizer, source = start.policy, start.tokenizer, cfg.model.path or f"{cfg.out_dir}/sft"
         saved = draft_dir(cfg, "eagle3")
         fields = draft_fields(apply(cfg, {"draft": {"kind": "eagle3"}}), starting_policy_fields(cfg))
+        kept = kept_copy(saved, fingerprint(fields))  # set aside by a run of other settings
+        if (read_stamp(kept) or {}).get("fingerprint") == fingerprint(fields):
+            saved = kept
         draft = (load_draft(saved, device=device) if saved.exists() and reuse_decision(
             saved, fields, reuse=reuse, what="draft", otherwise="not exporting it") else None)
     written = {}

@@ -104,6 +104,33 @@ def test_a_replaced_draft_is_kept_and_comes_back_without_training_when_its_setti
     assert mtime(other / "model.safetensors") == second
 
 
+def test_a_draft_without_a_stamp_is_moved_aside_not_deleted_when_replaced(tmp_path, capsys):
+    cfg = tiny(tmp_path)
+    policy, _ = load_or_train_sft(cfg, CPU)
+    load_or_train_draft(cfg, policy, progress=False)
+    first = mtime(tmp_path / "draft" / "model.safetensors")
+    (tmp_path / "draft" / MADE_BY).unlink()
+    capsys.readouterr()
+    _, metrics = load_or_train_draft(cfg, policy, progress=False)
+    assert metrics is not None and "has no readable stamp" in capsys.readouterr().out
+    assert mtime(tmp_path / "draft.made-unstamped" / "model.safetensors") == first
+
+
+def test_draft_train_trains_anew_and_keeps_what_it_replaces(tmp_path, capsys):
+    """draft-train (force) does not bring a kept copy back only to train over it: the draft in
+    place moves aside when the new one is saved."""
+    cfg = tiny(tmp_path)
+    policy, _ = load_or_train_sft(cfg, CPU)
+    longer = apply(cfg, {"draft": {"train_steps": 3}})
+    load_or_train_draft(cfg, policy, progress=False)
+    load_or_train_draft(longer, policy, progress=False)  # cfg's draft is kept aside
+    capsys.readouterr()
+    load_or_train_draft(cfg, policy, force=True, progress=False)
+    out = capsys.readouterr().out
+    assert "restored" not in out and "keeping the draft made with other settings" in out
+    assert len(list(tmp_path.glob("draft.made-*"))) == 2  # both earlier drafts, one per settings
+
+
 def test_a_draft_records_the_policy_it_was_trained_on():
     """A new SFT policy (other sft.* fields) changes every draft's fingerprint: its samples and
     features came from the old policy."""
@@ -167,6 +194,12 @@ def test_export_refuses_a_draft_made_with_other_settings_unless_reused(tmp_path,
     assert "draft_eagle3" not in out.splitlines()[-1]
     assert main(["export", "--reuse", *args, "draft.train_steps=3"]) == 0
     assert "draft_eagle3" in capsys.readouterr().out.splitlines()[-1]
+
+    assert main(["draft-train", *args, "draft.train_steps=3"]) == 0  # sets the first draft aside
+    capsys.readouterr()
+    assert main(["export", *args]) == 0  # the first draft's settings: exported from where it is kept
+    out = capsys.readouterr().out
+    assert "reusing draft" in out and "draft.made-" in out and "draft_eagle3" in out.splitlines()[-1]
 
 
 def test_export_says_that_a_block_draft_has_no_layout_to_export_to(tmp_path, capsys):

@@ -167,7 +167,7 @@ def test_a_partial_training_of_other_settings_is_kept_not_overwritten_and_resume
     with pytest.raises(KeyboardInterrupt):  # a run with another lr, interrupted the same way
         load_or_train_draft(other, policy, progress=False)
     out = capsys.readouterr().out
-    assert "also holds 1 partial draft training(s) made with other settings" in out
+    assert "also holds 1 other partial draft training file(s)" in out
     assert "resuming" not in out
     assert mine.read_bytes() == before, "another run's settings overwrote the partial training"
     assert len(list(partial.glob("state-*.pt"))) == 2
@@ -198,15 +198,37 @@ def test_fresh_discards_every_partial_training(policy, tmp_path, monkeypatch, ca
 
 def test_a_partial_training_under_the_old_single_name_still_resumes(policy, tmp_path, monkeypatch, capsys):
     cfg = tiny(tmp_path)
-    stop_training_at(monkeypatch, 6)  # after the checkpoint at step 4
+    partial = tmp_path / "draft.partial"
+    stop_training_at(monkeypatch, 4)  # after the checkpoint at step 2
     with pytest.raises(KeyboardInterrupt):
         load_or_train_draft(cfg, policy, progress=False)
     monkeypatch.undo()
-    (mine,) = (tmp_path / "draft.partial").glob("state-*.pt")
-    legacy = mine.rename(mine.with_name("state.pt"))  # as cospec wrote it before per-settings names
+    (mine,) = partial.glob("state-*.pt")
+    legacy = mine.rename(partial / "state.pt")  # as cospec wrote it before per-settings names
+    stop_training_at(monkeypatch, 3)  # resumed at 2: steps 3 and 4 (a checkpoint), then stopped
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(cfg, policy, progress=False)
+    assert f"resuming draft training at step 2 of 6 from {legacy}" in capsys.readouterr().out
+    assert not legacy.exists() and mine.exists(), "the state did not move to its per-settings name"
+    monkeypatch.undo()
     load_or_train_draft(cfg, policy, progress=False)
-    assert f"resuming draft training at step 4 of 6 from {legacy}" in capsys.readouterr().out
-    assert not (tmp_path / "draft.partial").exists()
+    assert f"resuming draft training at step 4 of 6 from {mine}" in capsys.readouterr().out
+    assert not partial.exists()
+
+
+def test_an_old_single_name_state_of_other_settings_is_kept_through_another_training(
+        policy, tmp_path, monkeypatch, capsys):
+    cfg = tiny(tmp_path)
+    stop_training_at(monkeypatch, 4)
+    with pytest.raises(KeyboardInterrupt):
+        load_or_train_draft(apply(cfg, {"draft": {"lr": 1e-3}}), policy, progress=False)
+    monkeypatch.undo()
+    (theirs,) = (tmp_path / "draft.partial").glob("state-*.pt")
+    legacy = theirs.rename(theirs.with_name("state.pt"))
+    load_or_train_draft(cfg, policy, progress=False)
+    out = capsys.readouterr().out
+    assert "resuming" not in out and "also holds 1 other partial draft training file(s)" in out
+    assert legacy.exists() and [p.name for p in (tmp_path / "draft.partial").iterdir()] == ["state.pt"]
 
 
 def test_held_out_acceptance_is_measured_as_the_draft_trains_and_saved_beside_it(policy, tmp_path):

@@ -35,7 +35,18 @@ def test_a_run_that_ends_before_a_minute_prints_only_its_last_line():
     assert out.getvalue() == "sft 3/3 (100%) 1.00 s/it, 0:00:03 in all\n"
 
 
-def test_stdout_that_is_not_a_terminal_gets_log_lines_and_disabled_gets_nothing(capsys):
+def test_a_resumed_run_counts_on_from_where_it_was_and_paces_only_its_own_items():
+    clock, out = FakeClock(), io.StringIO()
+    tick = _LogLines(total=960, label="draft-train", interval=60.0, start=480, clock=clock, stream=out)
+    for _ in range(10):
+        clock.now += 6.0
+        tick()
+    assert out.getvalue() == "draft-train 490/960 (51%) 6.00 s/it, ~0:47:00 left\n"
+
+
+def test_stdout_that_is_not_a_terminal_gets_log_lines_and_disabled_gets_nothing(capsys, monkeypatch):
+    for forcing in ("FORCE_COLOR", "FORCE_TERMINAL", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):
+        monkeypatch.delenv(forcing, raising=False)  # each can make rich call any stream a terminal
     with progress_bar(True, 2, "grpo") as advance:
         assert isinstance(advance, _LogLines)  # pytest's captured stdout is not a terminal
         advance("reward 0.5")

@@ -209,7 +209,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
         held_out.append({"step": 0, **held_out_metrics(draft, held_batches, cfg)})
     draft.train()
     t1 = time.perf_counter()
-    with progress_bar(progress, d.train_steps - start, "draft-train") as advance:
+    with progress_bar(progress, d.train_steps, "draft-train", start=start) as advance:
         for step in range(start, d.train_steps):
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, lr=d.lr, warmup=min(20, d.train_steps // 10),

@@ -43,9 +43,9 @@ class OfflineCheckpoint:
         others = [p for p in self.files() if p not in (self.path, self.loaded_from)]
         if others:
             mb = sum(p.stat().st_size for p in others) / 2**20
-            print(f"{self.dir} also holds {len(others)} partial draft training(s) made with other "
-                  f"settings ({mb:.0f} MB): kept, to resume when those settings return; --fresh "
-                  f"removes them")
+            print(f"{self.dir} also holds {len(others)} other partial draft training file(s) "
+                  f"({mb:.0f} MB: other settings, or unreadable): kept, to resume when those "
+                  f"settings return; --fresh removes them")
         return state
 
     def _read(self, path: Path, device) -> dict | None:
@@ -54,11 +54,15 @@ class OfflineCheckpoint:
         except Exception as e:  # a damaged file: train from the start rather than fail
             print(f"warning: cannot read the partial draft training {path} ({e}): starting over")
             return None
-        return state if state.get("key") == self.key else None
+        return state if isinstance(state, dict) and state.get("key") == self.key else None
 
     def files(self) -> list[Path]:
         """Every training state kept in the directory, of any settings."""
         return sorted(self.dir.glob("state*.pt")) if self.dir.exists() else []
+
+    def leftovers(self) -> list[Path]:
+        """Temporaries of killed writers, whatever their settings."""
+        return sorted(self.dir.glob(".state*.pt.tmp")) if self.dir.exists() else []
 
     def save(self, state: dict) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -74,5 +78,7 @@ class OfflineCheckpoint:
         for path in self.files() if other_settings else mine:
             path.unlink(missing_ok=True)
             temporary_sibling(path).unlink(missing_ok=True)
+        for path in self.leftovers() if other_settings else ():
+            path.unlink()
         if self.dir.exists() and not any(self.dir.iterdir()):
             self.dir.rmdir()

@@ -22,17 +22,18 @@ def _duration(seconds: float) -> str:
 class _LogLines:
     """The plain-text progress of a run whose stdout is not a terminal."""
 
-    def __init__(self, total: int, label: str, interval: float, clock=time.monotonic, stream=None):
+    def __init__(self, total: int, label: str, interval: float, *, start: int = 0,
+                 clock=time.monotonic, stream=None):
         self.total, self.label, self.interval, self.clock = total, label, interval, clock
         self.stream = stream if stream is not None else sys.stdout
-        self.done, self.start = 0, clock()
-        self.last_print = self.start
+        self.done = self.first = start  # a resumed run counts on from where it was
+        self.start = self.last_print = clock()
 
     def line(self, msg: str) -> str:
-        elapsed = self.clock() - self.start
-        pace = f"{elapsed / self.done:.2f} s/it" if self.done else "-"
-        left = (f", ~{_duration(elapsed / self.done * (self.total - self.done))} left"
-                if 0 < self.done < self.total else f", {_duration(elapsed)} in all" if self.done else "")
+        elapsed, ran = self.clock() - self.start, self.done - self.first
+        pace = f"{elapsed / ran:.2f} s/it" if ran else "-"
+        left = (f", ~{_duration(elapsed / ran * (self.total - self.done))} left"
+                if ran and self.done < self.total else f", {_duration(elapsed)} in all" if ran else "")
         percent = f" ({100 * self.done // self.total}%)" if self.total else ""
         return f"{self.label} {self.done}/{self.total}{percent} {pace}{left}" + (f"  {msg}" if msg else "")
 
@@ -45,13 +46,13 @@ class _LogLines:
 
 
 class progress_bar:
-    """A rich progress bar on a terminal, a plain line every `log_interval` s otherwise; a no-op
-    when not enabled (CI, tests)."""
+    """A rich progress bar on a terminal (or in Jupyter), a plain line every `log_interval` s
+    otherwise; a no-op when not enabled (CI, tests). ``start``: items done before (a resumed run)."""
 
     log_interval = 60.0
 
-    def __init__(self, enabled: bool, total: int, label: str):
-        self.enabled, self.total, self.label = enabled, total, label
+    def __init__(self, enabled: bool, total: int, label: str, *, start: int = 0):
+        self.enabled, self.total, self.label, self.start = enabled, total, label, start
         self.bar = None
 
     def __enter__(self):
@@ -59,15 +60,16 @@ class progress_bar:
             return lambda msg="": None
         from rich.console import Console
 
-        if not Console().is_terminal:
-            return _LogLines(self.total, self.label, self.log_interval)
+        console = Console()
+        if not (console.is_terminal or console.is_jupyter):
+            return _LogLines(self.total, self.label, self.log_interval, start=self.start)
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
         # a short bar leaves room for the message (draft-train's held-out acceptance) on 80 columns
         self.bar = Progress(TextColumn("{task.description}"), BarColumn(bar_width=20), MofNCompleteColumn(),
                             TimeRemainingColumn(), TextColumn("{task.fields[msg]}"))
         self.bar.__enter__()
-        task = self.bar.add_task(self.label, total=self.total, msg="")
+        task = self.bar.add_task(self.label, total=self.total, completed=self.start, msg="")
         return lambda msg="": self.bar.update(task, advance=1, msg=msg)
 
     def __exit__(self, *exc):

@@ -382,7 +382,7 @@ class GRPOTrainer:
         try:
             if self.step == 0 and self.g.eval_every:
                 log.log(0, self.evaluate())
-            with progress_bar(progress, self.g.steps - self.step, "grpo") as advance:
+            with progress_bar(progress, self.g.steps, "grpo", start=self.step) as advance:
                 while self.step < self.g.steps:
                     metrics = self.run_step()
                     if self.g.eval_every and (self.step % self.g.eval_every == 0
