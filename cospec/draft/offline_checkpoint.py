@@ -1,7 +1,7 @@
 """Where an interrupted `cospec draft-train` resumes: the training state of offline draft training.
 
 On a real model the training itself runs for hours (SmolLM2: 960 steps in 24 minutes on 2 idle
-CPU cores, 3,840 steps with recomputed policy outputs ~2.8 h), so every ``draft.checkpoint_every``
+CPU cores, 3,840 steps with recomputed policy outputs ~3.2 h), so every ``draft.checkpoint_every``
 steps the state that decides the rest of the run is written to out_dir/<draft dir>.partial: the
 draft's weights and reduced vocabulary, the optimizer's moments, the step, the random state of the
 batch order, and the loss and held-out histories so far. The file is written whole or not at all
