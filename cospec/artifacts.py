@@ -135,6 +135,11 @@ def read_stamp(path: Path) -> dict | None:
     return stamp if ok else None
 
 
+def made_with(path: Path, fields: dict) -> bool:
+    """Whether the artifact at `path` carries a readable stamp of exactly these fields."""
+    return (read_stamp(path) or {}).get("fingerprint") == fingerprint(fields)
+
+
 def kept_copy(path: Path, fp: str) -> Path:
     """Where an artifact made with fingerprint `fp` is kept once another replaces it at `path`."""
     return path.with_name(f"{path.name}.made-{fp[:16]}")
@@ -157,13 +162,10 @@ def set_aside(path: Path, what: str) -> None:
 
 def restore_kept(path: Path, fields: dict, what: str) -> None:
     """Bring back the kept copy made with `fields` when `path` holds one of other settings."""
-    fp = fingerprint(fields)
-    kept = kept_copy(path, fp)
-    if not kept.exists() or (read_stamp(kept) or {}).get("fingerprint") != fp:
+    kept = kept_copy(path, fingerprint(fields))
+    if not made_with(kept, fields) or made_with(path, fields):
         return
     if path.exists():
-        if (read_stamp(path) or {}).get("fingerprint") == fp:
-            return
         set_aside(path, what)
     kept.rename(path)
     print(f"restored the {what} made with these settings from {kept}")
@@ -302,7 +304,7 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
         raise NonFiniteError(f"offline draft training diverged (final loss {metrics['final_loss']}): "
                              f"non-finite weights in {', '.join(bad[:3])}; nothing saved (lower "
                              f"draft.lr?)")
-    if path.exists() and (read_stamp(path) or {}).get("fingerprint") != fingerprint(fields):
+    if path.exists() and not made_with(path, fields):
         set_aside(path, "draft")
     save_draft(draft, path)
     write_made_by(path, fields)  # at once: an interrupt before it would leave the draft unstamped

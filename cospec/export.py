@@ -67,7 +67,7 @@ def export_policy(policy, tokenizer: Tokenizer, path: Path, *, max_position_embe
 def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = "cpu",
                reuse: bool = False) -> dict[str, Path]:
     """Write the run's policy (and draft, when it has an EAGLE-3 one) under `out`; their paths."""
-    from cospec.artifacts import (draft_fields, fingerprint, kept_copy, load_policy, read_stamp,
+    from cospec.artifacts import (draft_fields, fingerprint, kept_copy, load_policy, made_with,
                                   reuse_decision, starting_policy_fields)
     from cospec.draft.offline import draft_dir
     from cospec.models.draft_checkpoint import load_draft
@@ -90,7 +90,7 @@ def export_run(cfg: RunConfig, out: str | Path, *, device: torch.device | str = 
         saved = draft_dir(cfg, "eagle3")
         fields = draft_fields(apply(cfg, {"draft": {"kind": "eagle3"}}), starting_policy_fields(cfg))
         kept = kept_copy(saved, fingerprint(fields))  # set aside by a run of other settings
-        if (read_stamp(kept) or {}).get("fingerprint") == fingerprint(fields):
+        if made_with(kept, fields):
             saved = kept
         draft = (load_draft(saved, device=device) if saved.exists() and reuse_decision(
             saved, fields, reuse=reuse, what="draft", otherwise="not exporting it") else None)
