@@ -13,9 +13,9 @@ from cospec.config import ConfigError, resolve
 from cospec.draft import policy_outputs
 from cospec.draft.losses import compress_to_head
 from cospec.draft.offline import sample_responses, task_data, train_draft_offline
-from cospec.draft.policy_outputs import RecomputedBatches, pack_answers, policy_batches
+from cospec.draft.policy_outputs import KeptBatches, RecomputedBatches, pack_answers, policy_batches
 from cospec.models.draft import default_tap_layers
-from cospec.models.llama import Transformer
+from cospec.models.llama import MASKED_LOGIT, Transformer
 
 OVERRIDES = ["draft.num_train_prompts=12", "draft.num_eval_prompts=4", "sampling.max_new_tokens=10",
              "draft.tokens_per_batch=40", "draft.train_steps=6", "draft.eval_every=3",
@@ -42,10 +42,28 @@ def test_answers_pack_in_order_within_the_token_budget_and_each_answer_once(setu
     assert len(packed) > 2  # the budget splits these answers: several batches to draw from
 
 
-def test_a_batch_holds_the_policys_own_taps_and_its_logits_on_the_head_plus_a_bucket(setup):
-    """Against the policy called directly on the packed answers and `compress_to_head`."""
-    cfg, policy, answers = setup
-    ids = torch.arange(0, 24, 2)
+@pytest.fixture(scope="module")
+def narrow():
+    """A policy narrower (C = 16) than a 24-id draft head: what is kept of a position is then its
+    normed hidden state and a bucket (17 numbers), not the head's 25 logits, as for SmolLM2."""
+    cfg = resolve("tiny", overrides=OVERRIDES + NARROW)
+    torch.manual_seed(0)
+    policy = Transformer(cfg.model).eval()
+    answers = sample_responses(cfg, policy, task_data(cfg, None), progress=False)
+    return cfg, policy, answers
+
+
+NARROW = ["model.hidden_size=16", "model.num_heads=2", "model.num_kv_heads=1",
+          "model.intermediate_size=32"]
+# A head narrower than the policy (12 ids < C = 64: its logits kept) and one wider (24 > C = 16).
+HEADS = [("setup", torch.arange(0, 24, 2)), ("narrow", torch.arange(1, 49, 2))]
+
+
+@pytest.mark.parametrize("world, ids", HEADS)
+def test_a_batch_holds_the_policys_own_taps_and_its_logits_on_the_head_plus_a_bucket(world, ids, request):
+    """Against the policy called directly on the packed answers and `compress_to_head` (kept as
+    hidden states, the head's columns come from a matmul over its own rows: equal up to rounding)."""
+    cfg, policy, answers = request.getfixturevalue(world)
     packed = pack_answers(answers, cfg.draft.tokens_per_batch)[1]
     taps = default_tap_layers(cfg.model.num_layers)
     with torch.no_grad():
@@ -56,16 +74,46 @@ def test_a_batch_holds_the_policys_own_taps_and_its_logits_on_the_head_plus_a_bu
         assert torch.equal(batch.loss_mask, packed.loss_mask[0])
         assert batch.taps.keys() == set(taps)  # the default low, mid and high taps
         assert all(torch.equal(batch.taps[k], out.taps[k][0]) for k in batch.taps)
-        assert torch.equal(batch.policy_logits,
-                           compress_to_head(out.logits[0], ids, cfg.sampling.temperature))
+        torch.testing.assert_close(batch.policy_logits,
+                                   compress_to_head(out.logits[0], ids, cfg.sampling.temperature),
+                                   rtol=1e-5, atol=1e-5)
 
 
-def test_recomputed_batches_are_the_kept_ones_bit_for_bit(setup):
-    cfg, policy, answers = setup
-    ids = torch.arange(0, 24, 2)
+def test_a_kept_position_holds_the_fewer_numbers_hidden_and_bucket_or_the_heads_logits(setup, narrow):
+    """K C + min(C + 1, Vd + 1) numbers a kept position: SmolLM2's 3 x 576 + 577 instead of
+    3 x 576 + 8193 (policy_outputs' docstring)."""
+    for (cfg, policy, answers), ids in [(setup, HEADS[0][1]), (narrow, HEADS[1][1])]:
+        kept = policy_batches(cfg, policy, answers, vocab_ids=ids)
+        C, K = cfg.model.hidden_size, len(set(default_tap_layers(cfg.model.num_layers)))
+        assert policy_outputs.kept_bytes_per_token(kept.views[0]) == 4 * (K * C + min(C, len(ids)) + 1)
+        assert (kept.views[0].normed is not None) == (len(ids) > C)
+
+
+def test_a_head_id_the_policy_never_samples_reads_as_masked_from_kept_hidden_states(narrow):
+    """An id past the tokenizer's vocabulary carries MASKED_LOGIT in the forward's logits; read
+    back from a kept hidden state it must too (else the target would give it mass)."""
+    cfg, policy, answers = narrow
+    policy.sampled_vocab_size = 45
+    try:
+        ids = torch.arange(1, 49, 2)  # 45 and 47 are past it
+        packed = pack_answers(answers, cfg.draft.tokens_per_batch)[0]
+        with torch.no_grad():
+            out = policy(packed.tokens, cu_seqlens=packed.cu_seqlens)
+        batch = policy_batches(cfg, policy, answers, vocab_ids=ids)[0]
+        assert (batch.policy_logits[:, -3:-1] == MASKED_LOGIT).all()
+        torch.testing.assert_close(batch.policy_logits,
+                                   compress_to_head(out.logits[0], ids, cfg.sampling.temperature),
+                                   rtol=1e-5, atol=1e-5)
+    finally:
+        policy.sampled_vocab_size = None
+
+
+@pytest.mark.parametrize("world, ids", HEADS)
+def test_recomputed_batches_are_the_kept_ones_bit_for_bit(world, ids, request):
+    cfg, policy, answers = request.getfixturevalue(world)
     kept = policy_batches(cfg, policy, answers, vocab_ids=ids)
     lazy = policy_batches(cfg, policy, answers, vocab_ids=ids, keep=False)
-    assert isinstance(kept, list) and isinstance(lazy, RecomputedBatches)
+    assert isinstance(kept, KeptBatches) and isinstance(lazy, RecomputedBatches)
     assert len(kept) == len(lazy) > 2
     for a, b in zip(kept, lazy):
         assert a.policy_logits.shape[-1] == len(ids) + 1  # the head's columns and one bucket
@@ -92,18 +140,19 @@ def test_recomputed_batches_hold_nothing_and_run_one_policy_forward_per_read(set
         lazy[len(lazy)]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "block"])
-def test_draft_train_makes_the_same_draft_with_outputs_kept_or_recomputed(kind, monkeypatch):
+@pytest.mark.parametrize("kind, narrow", [("eagle3", False), ("block", False), ("eagle3", True)])
+def test_draft_train_makes_the_same_draft_with_outputs_kept_or_recomputed(kind, narrow, monkeypatch):
     """The whole offline path (answers, vocabulary, batches, steps, held-out measurements): the
     drafts and their metrics are equal bit for bit; kept, each batch's forward ran once, up front;
     recomputed, once per training step (the held-out answers' stay kept)."""
     runs, reads = {}, []
-    read = RecomputedBatches.__getitem__
-    monkeypatch.setattr(RecomputedBatches, "__getitem__", lambda self, i: reads.append(i) or read(self, i))
+    read = RecomputedBatches.view  # the policy forward of a batch, kept or recomputed
+    monkeypatch.setattr(RecomputedBatches, "view", lambda self, i: reads.append(i) or read(self, i))
     for keep in ("true", "false"):
         reads.clear()
         cfg = resolve("tiny", overrides=OVERRIDES + [f"draft.kind={kind}", "draft.ttt_steps=2",
-                                                     f"draft.keep_policy_outputs={keep}"])
+                                                     f"draft.keep_policy_outputs={keep}"]
+                      + (NARROW + ["draft.vocab_size=24"] if narrow else []))
         torch.manual_seed(0)
         policy = Transformer(cfg.model).eval()
         runs[keep] = train_draft_offline(cfg, policy, progress=False)

@@ -33,12 +33,18 @@ def compress_to_head(policy_logits_NV: Tensor, vocab_ids: Tensor, temperature: f
     all other ids, t * logsumexp(x_outside / t), so that at temperature t the softmax of the result
     is exactly p on the head's ids and p(outside) in the bucket. What the losses need of p at that
     temperature, in Vd + 1 numbers instead of V (6x less for SmolLM2 with an 8K head)."""
+    x = _acc(policy_logits_NV.detach())
+    return torch.cat([x[..., vocab_ids], bucket_logit(x, vocab_ids, temperature)], dim=-1)
+
+
+def bucket_logit(policy_logits_NV: Tensor, vocab_ids: Tensor, temperature: float) -> Tensor:
+    """[N, 1]: `compress_to_head`'s last column, t * logsumexp(x_outside / t) over the ids outside
+    the head (the one number a position needs beyond the head's own logits)."""
     t = _scale(temperature)
     x = _acc(policy_logits_NV.detach())
     outside = torch.ones(x.shape[-1], dtype=torch.bool, device=x.device)
     outside[vocab_ids] = False
-    bucket = t * (x[..., outside] / t).logsumexp(-1, keepdim=True)
-    return torch.cat([x[..., vocab_ids], bucket], dim=-1)
+    return t * (x[..., outside] / t).logsumexp(-1, keepdim=True)
 
 
 def draft_targets(vocab_ids: Tensor | None, temperature: float) -> Callable[[Tensor], Tensor]:

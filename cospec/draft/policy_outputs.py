@@ -1,32 +1,46 @@
 """The policy's detached outputs over packed answers, for offline draft training: kept in memory,
 or recomputed whenever a batch is read.
 
-# T tokens in a packed batch, K tapped layers, C policy hidden size, Vd + 1 kept logit columns
+# T tokens in a packed batch, K tapped layers, C policy hidden size, Vd ids in a reduced head
 
 Each offline training step reads one `TTTBatch`: packed answers (prompt + response) with the
 policy's tapped features and logits at every position. Kept (``draft.keep_policy_outputs``, the
-default), they cost one policy forward per batch up front and K C + Vd + 1 numbers a token held
-for the whole run: ~40 KB a token for SmolLM2 (3 taps of 576, an 8192-id head in fp32), 11 GB for
-2,048 of the recipe's answers (272,879 tokens with their prompts; the recipe's default 512 hold
-~2.7 GB), so ~4,000 answers fill a 24 GB machine. Recomputed, a batch's forward runs each time training draws it: one batch in memory,
-training starts at once, and each read costs a policy forward (what a kept batch saves from its
-second read on). The forward is a pure function of the batch, so both give the same batches, and
-on the same device and build the same draft (tests/test_policy_outputs.py).
+default), they cost one policy forward per batch up front and are held for the whole run;
+recomputed, a batch's forward runs each time training draws it: one batch in memory, training
+starts at once, and each read costs a policy forward (what a kept batch saves from its second
+read on).
+
+What is kept of a position with a reduced draft head is not its Vd + 1 target logits
+(`compress_to_head`) but what they are computed from: the policy's final normed hidden state (C
+numbers) and the bucket logit (one), from which a read computes the head's Vd columns with one
+matmul against those rows of the policy's head (`PolicyHeadRows`; where Vd > C, else the
+logits are the fewer numbers and are kept). K C + C + 1 numbers a token instead of K C + Vd + 1:
+for SmolLM2 (3 taps of 576, an 8192-id head, fp32) 9.2 KB instead of 39.7 KB, so the outputs over
+4,096 of the recipe's answers (~550K tokens with their prompts) take ~5 GB instead of ~22 GB. The
+read's matmul is T x C x Vd (6 GFLOP for a 640-token batch), a fraction of the draft's own step.
+Without a reduced head the logits are kept as they are.
+
+Kept and recomputed batches go through the same read (`_PolicyView.batch`), so they give the same
+batches bit for bit and, on the same device and build, the same draft (tests/test_policy_outputs.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from cospec.config import ConfigError
 from cospec.data.packing import PackedBatch, pack_examples
-from cospec.draft.losses import draft_targets
+from cospec.draft.losses import bucket_logit, draft_targets
 from cospec.draft.ttt import TTTBatch
 from cospec.metrics.progress import progress_bar
 from cospec.models.draft import default_tap_layers
+from cospec.models.llama import MASKED_LOGIT
 
 
 def pack_answers(completions, tokens_per_batch: int) -> list[PackedBatch]:
@@ -45,82 +59,161 @@ def pack_answers(completions, tokens_per_batch: int) -> list[PackedBatch]:
     return batches
 
 
+class PolicyHeadRows:
+    """The rows of the policy's head for a reduced draft vocabulary's ids: turns kept final normed
+    hidden states [T, C] and bucket logits [T, 1] back into `compress_to_head`'s [T, Vd + 1]
+    (equal to it up to the rounding of a matmul over Vd rows instead of V). Holds a copy of the
+    head's Vd rows (18.9 MB for SmolLM2's 8192 x 576 in fp32)."""
+
+    def __init__(self, policy, vocab_ids: Tensor, temperature: float):
+        self.norm, self.temperature = policy.norm, temperature
+        self.vocab_ids = vocab_ids.to(policy.lm_head.weight.device)
+        self.rows = policy.lm_head.weight.detach()[self.vocab_ids].clone()
+        sampled = policy.sampled_vocab_size  # ids past it carry MASKED_LOGIT, as in the forward
+        self.masked = None if sampled is None else self.vocab_ids >= sampled
+
+    @torch.no_grad()
+    def split(self, hidden_TC: Tensor, logits_TV: Tensor) -> tuple[Tensor, Tensor]:
+        """(normed hidden [T, C], bucket [T, 1]) of a forward's final hidden state and logits."""
+        return self.norm(hidden_TC), bucket_logit(logits_TV, self.vocab_ids, self.temperature)
+
+    @torch.no_grad()
+    def logits(self, normed_TC: Tensor, bucket_T1: Tensor) -> Tensor:
+        cols = F.linear(normed_TC, self.rows)
+        if self.masked is not None and bool(self.masked.any()):
+            cols = cols.masked_fill(self.masked, MASKED_LOGIT)
+        return torch.cat([cols.to(bucket_T1.dtype), bucket_T1], dim=-1)
+
+
+@dataclasses.dataclass
+class _PolicyView:
+    """A packed batch with what is kept of the policy's forward over it: the taps and either the
+    target logits as the losses read them, or (with a `PolicyHeadRows`) normed hidden and bucket."""
+
+    packed: PackedBatch
+    taps: dict[int, Tensor]
+    logits: Tensor | None = None
+    normed: Tensor | None = None
+    bucket: Tensor | None = None
+
+    def held(self) -> list[Tensor]:
+        return [t for t in (self.logits, self.normed, self.bucket, *self.taps.values()) if t is not None]
+
+    def batch(self, head: PolicyHeadRows | None, device) -> TTTBatch:
+        p = self.packed
+        return TTTBatch(tokens=p.tokens[0].to(device), cu_seqlens=p.cu_seqlens.to(device),
+                        loss_mask=p.loss_mask[0].to(device), taps=self.taps,
+                        policy_logits=(self.logits if head is None
+                                       else head.logits(self.normed, self.bucket)))
+
+
 class RecomputedBatches(Sequence):
     """`TTTBatch`es of packed answers whose policy forward runs when one is read: item i is batch
     i with the policy's detached taps and logits (kept as ``draft_targets`` keeps them: a reduced
-    head's columns plus one bucket, at the sampling temperature). Holds no policy outputs."""
+    head's columns plus one bucket, at the sampling temperature). Holds no policy outputs.
+    `view` gives what a kept batch holds instead."""
 
     def __init__(self, policy, packed: list[PackedBatch], tap_layers: tuple[int, ...],
                  vocab_ids: torch.Tensor | None, temperature: float):
         self.policy, self.packed, self.tap_layers = policy, packed, tuple(tap_layers)
         self.to_targets = draft_targets(vocab_ids, temperature)
+        # The hidden state and a bucket (C + 1 numbers) only where they are fewer than the
+        # head's Vd + 1 logits: SmolLM2's 576 against 8193; not a toy's 64 against 13.
+        self.head = (PolicyHeadRows(policy, vocab_ids, temperature)
+                     if vocab_ids is not None and len(vocab_ids) > policy.config.hidden_size else None)
         self.device = next(policy.parameters()).device
 
     def __len__(self) -> int:
         return len(self.packed)
 
-    def __getitem__(self, i: int) -> TTTBatch:
+    def view(self, i: int) -> _PolicyView:
+        """Batch i's policy forward, reduced to what keeping it holds."""
         packed = self.packed[i]  # an IndexError here ends iteration, as a list's does
         with torch.no_grad():
             out = self.policy(packed.tokens.to(self.device), cu_seqlens=packed.cu_seqlens.to(self.device),
                               tap_layers=self.tap_layers)
-        return TTTBatch(tokens=packed.tokens[0].to(self.device),
-                        cu_seqlens=packed.cu_seqlens.to(self.device),
-                        loss_mask=packed.loss_mask[0].to(self.device),
-                        taps={k: v[0] for k, v in out.taps.items()},
-                        policy_logits=self.to_targets(out.logits[0]))
+        taps = {k: v[0] for k, v in out.taps.items()}
+        if self.head is None:
+            return _PolicyView(packed, taps, logits=self.to_targets(out.logits[0]))
+        normed, bucket = self.head.split(out.hidden[0], out.logits[0])
+        return _PolicyView(packed, taps, normed=normed, bucket=bucket)
+
+    def __getitem__(self, i: int) -> TTTBatch:
+        return self.view(i).batch(self.head, self.device)
 
     @property
     def num_tokens(self) -> int:
         return sum(p.tokens.shape[1] for p in self.packed)
 
 
+class KeptBatches(Sequence):
+    """The batches with their policy outputs computed once and held (`_PolicyView`s); a read
+    builds the `TTTBatch` (with a reduced head: one matmul for its target logits)."""
+
+    def __init__(self, views: list[_PolicyView], head: PolicyHeadRows | None, device):
+        self.views, self.head, self.device = views, head, device
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def __getitem__(self, i: int) -> TTTBatch:
+        return self.views[i].batch(self.head, self.device)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(v.packed.tokens.shape[1] for v in self.views)
+
+
 def policy_batches(cfg, policy, completions, *, vocab_ids: torch.Tensor | None = None,
                    keep: bool = True, progress: bool = False) -> Sequence[TTTBatch]:
     """The answers packed into batches of ~draft.tokens_per_batch tokens, each with the policy's
-    detached taps and logits. With a reduced draft vocabulary the logits are kept as
-    `compress_to_head` (at the sampling temperature, `draft_targets`): Vd + 1 numbers a token
+    detached taps and logits. With a reduced draft vocabulary the logits read as
+    `compress_to_head`'s (at the sampling temperature, `draft_targets`): Vd + 1 numbers a token
     instead of V (SmolLM2: 4 GB of fp32 logits for 18K tokens otherwise). keep: compute every
-    batch now and hold them (a list; an error after the first forward when they would not fit in
-    the device's available memory), else `RecomputedBatches`."""
+    batch now and hold them (`KeptBatches`; an error after the first forward when they would not
+    fit in the device's available memory), else `RecomputedBatches`."""
     taps = cfg.draft.tap_layers or default_tap_layers(policy.config.num_layers)
     lazy = RecomputedBatches(policy, pack_answers(completions, cfg.draft.tokens_per_batch), taps,
                              vocab_ids, cfg.sampling.temperature)
     if not keep:
         return lazy
-    kept = []
+    views = []
     with progress_bar(progress, len(lazy), "policy forward") as advance:
         for i in range(len(lazy)):
-            kept.append(lazy[i])
+            views.append(lazy.view(i))
             if i == 0:
-                check_room_for_kept_outputs(kept[0], lazy.num_tokens, lazy.device)
+                check_room_for_kept_outputs(views[0], lazy.num_tokens, lazy.device)
             advance()
-    return kept
+    return KeptBatches(views, lazy.head, lazy.device)
 
 
 def num_tokens(batches: Sequence[TTTBatch]) -> int:
     """Tokens in the batches, without a forward where they are recomputed."""
-    if isinstance(batches, RecomputedBatches):
+    if isinstance(batches, (RecomputedBatches, KeptBatches)):
         return batches.num_tokens
     return sum(int(b.tokens.numel()) for b in batches)
 
 
-def check_room_for_kept_outputs(first: TTTBatch, tokens: int, device) -> None:
+def check_room_for_kept_outputs(first: _PolicyView, tokens: int, device) -> None:
     """Raise, after the first batch's forward and before the others, if keeping the policy's
     outputs of ``tokens`` tokens, at the bytes a token of the ``first`` batch holds, would not fit
     in what the device has available."""
-    held = [first.policy_logits, *first.taps.values()]
-    per_token = sum(t.element_size() * t[0].numel() for t in held)
+    per_token = kept_bytes_per_token(first)
     need, available = per_token * tokens, available_memory(device)
     # A tenth left for what the run holds beside them: the draft, its optimizer state, the
     # held-out batches, one step's activations.
     if available is not None and need > 0.9 * available:
         raise ConfigError(
-            f"draft.keep_policy_outputs: keeping the policy's taps and logits of {tokens:,} "
+            f"draft.keep_policy_outputs: keeping the policy's outputs over {tokens:,} "
             f"tokens ({per_token / 1e3:.1f} KB a token) takes {need / 1e9:.1f} GB, and "
             f"{torch.device(device).type} has {available / 1e9:.1f} GB available: set "
             f"draft.keep_policy_outputs=false (each batch's policy forward recomputed when "
             f"training draws it, one batch in memory) or train on fewer answers")
+
+
+def kept_bytes_per_token(view: _PolicyView) -> int:
+    """What keeping one position of a batch's policy outputs holds, in bytes."""
+    return sum(t.element_size() * t[0].numel() for t in view.held())
 
 
 def available_memory(device) -> int | None:

@@ -1,7 +1,8 @@
 """What `draft.keep_policy_outputs=false` costs on SmolLM2 (the recipe's policy, fp32): the policy
 forward over kept answers, per token; the bytes a kept token holds; and draft training seconds a
 step with the outputs kept and recomputed, on the same batches in the same order (the two drafts
-are compared bit for bit at the end). docs/results/real_model.md, "Answer sets past the memory".
+are compared bit for bit at the end). docs/results/real_model.md, "Answer sets past the memory"
+and "A kept position holds its hidden state".
 
     ANSWERS_OUT_DIR=runs/smollm2-s40 python docs/results/real_model/keep_policy_outputs_cost.py \
         [TRAIN_ANSWERS [STEPS]]
@@ -22,10 +23,11 @@ from cospec.config import apply, resolve
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import policy_answers
 from cospec.draft.offline import build_draft, draft_vocabulary, fit_draft
-from cospec.draft.policy_outputs import num_tokens, policy_batches
+from cospec.draft.policy_outputs import kept_bytes_per_token, num_tokens, policy_batches
 from cospec.models.loading import with_checkpoint_model
 
 OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640", "draft.eval_every=0",
+             "draft.answer_batch_size=64",
              "rollout.dtype=float32", "grpo.autocast=", "draft.autocast="]
 
 
@@ -44,10 +46,13 @@ def main(train_answers: int = 256, steps: int = 30) -> None:
     kept = policy_batches(cfg, policy, answers, vocab_ids=vocab_ids)
     forward_s = time.perf_counter() - t0
     tokens = num_tokens(kept)
-    held = sum(t.numel() * t.element_size() for b in kept for t in [b.policy_logits, *b.taps.values()])
+    held = sum(kept_bytes_per_token(v) * v.packed.tokens.shape[1] for v in kept.views)
+    first = kept[0]  # what keeping the target logits themselves held until stop 46
+    as_logits = sum(t[0].numel() * t.element_size() for t in [first.policy_logits, *first.taps.values()])
     print(f"{len(answers)} answers, {tokens} tokens in {len(kept)} batches: policy forward "
           f"{forward_s:.0f} s ({1e3 * forward_s / tokens:.2f} ms a token), kept "
-          f"{held / 1e9:.2f} GB ({held / tokens / 1e3:.1f} KB a token)", flush=True)
+          f"{held / 1e9:.2f} GB ({held / tokens / 1e3:.1f} KB a token; the target logits "
+          f"themselves would hold {as_logits / 1e3:.1f} KB a token)", flush=True)
     lazy = policy_batches(cfg, policy, answers, vocab_ids=vocab_ids, keep=False)
     draft = build_draft(cfg, policy, vocab_ids)
     drafts = {}
