@@ -20,7 +20,7 @@ for SmolLM2 (3 taps of 576, an 8192-id head, fp32) 9.2 KB instead of 39.7 KB, so
 read's matmul is T x C x Vd (6 GFLOP for a 640-token batch), a fraction of the draft's own step.
 Without a reduced head the logits are kept as they are.
 
-Kept and recomputed batches go through the same read (`_PolicyView.batch`), so they give the same
+Kept and recomputed batches go through the same read (`KeptOutputs.batch`), so they give the same
 batches bit for bit and, on the same device and build, the same draft (tests/test_policy_outputs.py).
 """
 
@@ -68,25 +68,30 @@ class PolicyHeadRows:
     def __init__(self, policy, vocab_ids: Tensor, temperature: float):
         self.norm, self.temperature = policy.norm, temperature
         self.vocab_ids = vocab_ids.to(policy.lm_head.weight.device)
-        self.rows = policy.lm_head.weight.detach()[self.vocab_ids].clone()
-        sampled = policy.sampled_vocab_size  # ids past it carry MASKED_LOGIT, as in the forward
-        self.masked = None if sampled is None else self.vocab_ids >= sampled
+        self.rows = policy.lm_head.weight.detach()[self.vocab_ids]  # indexing copies
+        # ids past the sampled vocabulary carry MASKED_LOGIT, as in the forward (decided here,
+        # once: a check per read would be a device sync per training step on CUDA)
+        sampled = policy.sampled_vocab_size
+        masked = None if sampled is None else self.vocab_ids >= sampled
+        self.masked = masked if masked is not None and bool(masked.any()) else None
 
     @torch.no_grad()
     def split(self, hidden_TC: Tensor, logits_TV: Tensor) -> tuple[Tensor, Tensor]:
-        """(normed hidden [T, C], bucket [T, 1]) of a forward's final hidden state and logits."""
-        return self.norm(hidden_TC), bucket_logit(logits_TV, self.vocab_ids, self.temperature)
+        """(normed hidden [T, C], bucket [T, 1]) of a forward's final hidden state and logits;
+        the normed state in the head's dtype, whatever autocast the forward ran under."""
+        return (self.norm(hidden_TC).to(self.rows.dtype),
+                bucket_logit(logits_TV, self.vocab_ids, self.temperature))
 
     @torch.no_grad()
     def logits(self, normed_TC: Tensor, bucket_T1: Tensor) -> Tensor:
         cols = F.linear(normed_TC, self.rows)
-        if self.masked is not None and bool(self.masked.any()):
+        if self.masked is not None:
             cols = cols.masked_fill(self.masked, MASKED_LOGIT)
         return torch.cat([cols.to(bucket_T1.dtype), bucket_T1], dim=-1)
 
 
 @dataclasses.dataclass
-class _PolicyView:
+class KeptOutputs:
     """A packed batch with what is kept of the policy's forward over it: the taps and either the
     target logits as the losses read them, or (with a `PolicyHeadRows`) normed hidden and bucket."""
 
@@ -111,7 +116,8 @@ class RecomputedBatches(Sequence):
     """`TTTBatch`es of packed answers whose policy forward runs when one is read: item i is batch
     i with the policy's detached taps and logits (kept as ``draft_targets`` keeps them: a reduced
     head's columns plus one bucket, at the sampling temperature). Holds no policy outputs.
-    `view` gives what a kept batch holds instead."""
+    `kept_outputs` gives what a kept batch holds instead. (With a `PolicyHeadRows` it holds
+    that copy of the head's rows.)"""
 
     def __init__(self, policy, packed: list[PackedBatch], tap_layers: tuple[int, ...],
                  vocab_ids: torch.Tensor | None, temperature: float):
@@ -126,7 +132,7 @@ class RecomputedBatches(Sequence):
     def __len__(self) -> int:
         return len(self.packed)
 
-    def view(self, i: int) -> _PolicyView:
+    def kept_outputs(self, i: int) -> KeptOutputs:
         """Batch i's policy forward, reduced to what keeping it holds."""
         packed = self.packed[i]  # an IndexError here ends iteration, as a list's does
         with torch.no_grad():
@@ -134,12 +140,12 @@ class RecomputedBatches(Sequence):
                               tap_layers=self.tap_layers)
         taps = {k: v[0] for k, v in out.taps.items()}
         if self.head is None:
-            return _PolicyView(packed, taps, logits=self.to_targets(out.logits[0]))
+            return KeptOutputs(packed, taps, logits=self.to_targets(out.logits[0]))
         normed, bucket = self.head.split(out.hidden[0], out.logits[0])
-        return _PolicyView(packed, taps, normed=normed, bucket=bucket)
+        return KeptOutputs(packed, taps, normed=normed, bucket=bucket)
 
     def __getitem__(self, i: int) -> TTTBatch:
-        return self.view(i).batch(self.head, self.device)
+        return self.kept_outputs(i).batch(self.head, self.device)
 
     @property
     def num_tokens(self) -> int:
@@ -147,21 +153,24 @@ class RecomputedBatches(Sequence):
 
 
 class KeptBatches(Sequence):
-    """The batches with their policy outputs computed once and held (`_PolicyView`s); a read
-    builds the `TTTBatch` (with a reduced head: one matmul for its target logits)."""
+    """The batches with their policy outputs computed once and held (`KeptOutputs`); a read
+    builds the `TTTBatch` (with a reduced head: one matmul for its target logits). A slice is
+    a `KeptBatches` of those batches."""
 
-    def __init__(self, views: list[_PolicyView], head: PolicyHeadRows | None, device):
-        self.views, self.head, self.device = views, head, device
+    def __init__(self, outputs: list[KeptOutputs], head: PolicyHeadRows | None, device):
+        self.outputs, self.head, self.device = outputs, head, device
 
     def __len__(self) -> int:
-        return len(self.views)
+        return len(self.outputs)
 
-    def __getitem__(self, i: int) -> TTTBatch:
-        return self.views[i].batch(self.head, self.device)
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return KeptBatches(self.outputs[i], self.head, self.device)
+        return self.outputs[i].batch(self.head, self.device)
 
     @property
     def num_tokens(self) -> int:
-        return sum(v.packed.tokens.shape[1] for v in self.views)
+        return sum(o.packed.tokens.shape[1] for o in self.outputs)
 
 
 def policy_batches(cfg, policy, completions, *, vocab_ids: torch.Tensor | None = None,
@@ -177,14 +186,14 @@ def policy_batches(cfg, policy, completions, *, vocab_ids: torch.Tensor | None =
                              vocab_ids, cfg.sampling.temperature)
     if not keep:
         return lazy
-    views = []
+    outputs = []
     with progress_bar(progress, len(lazy), "policy forward") as advance:
         for i in range(len(lazy)):
-            views.append(lazy.view(i))
+            outputs.append(lazy.kept_outputs(i))
             if i == 0:
-                check_room_for_kept_outputs(views[0], lazy.num_tokens, lazy.device)
+                check_room_for_kept_outputs(outputs[0], lazy.num_tokens, lazy.device)
             advance()
-    return KeptBatches(views, lazy.head, lazy.device)
+    return KeptBatches(outputs, lazy.head, lazy.device)
 
 
 def num_tokens(batches: Sequence[TTTBatch]) -> int:
@@ -194,7 +203,7 @@ def num_tokens(batches: Sequence[TTTBatch]) -> int:
     return sum(int(b.tokens.numel()) for b in batches)
 
 
-def check_room_for_kept_outputs(first: _PolicyView, tokens: int, device) -> None:
+def check_room_for_kept_outputs(first: KeptOutputs, tokens: int, device) -> None:
     """Raise, after the first batch's forward and before the others, if keeping the policy's
     outputs of ``tokens`` tokens, at the bytes a token of the ``first`` batch holds, would not fit
     in what the device has available."""
@@ -211,9 +220,9 @@ def check_room_for_kept_outputs(first: _PolicyView, tokens: int, device) -> None
             f"training draws it, one batch in memory) or train on fewer answers")
 
 
-def kept_bytes_per_token(view: _PolicyView) -> int:
+def kept_bytes_per_token(outputs: KeptOutputs) -> int:
     """What keeping one position of a batch's policy outputs holds, in bytes."""
-    return sum(t.element_size() * t[0].numel() for t in view.held())
+    return sum(t.element_size() * t[0].numel() for t in outputs.held())
 
 
 def available_memory(device) -> int | None:
