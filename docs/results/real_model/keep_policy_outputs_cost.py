@@ -46,7 +46,7 @@ def main(train_answers: int = 256, steps: int = 30) -> None:
     kept = policy_batches(cfg, policy, answers, vocab_ids=vocab_ids)
     forward_s = time.perf_counter() - t0
     tokens = num_tokens(kept)
-    held = sum(kept_bytes_per_token(v) * v.packed.tokens.shape[1] for v in kept.views)
+    held = sum(kept_bytes_per_token(o) * o.packed.tokens.shape[1] for o in kept.outputs)
     first = kept[0]  # what keeping the target logits themselves held until stop 46
     as_logits = sum(t[0].numel() * t.element_size() for t in [first.policy_logits, *first.taps.values()])
     print(f"{len(answers)} answers, {tokens} tokens in {len(kept)} batches: policy forward "
