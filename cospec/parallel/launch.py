@@ -57,14 +57,18 @@ def _worker(rank: int, fn: Callable, num_ranks: int, workdir: str, backend: str,
 def _exit_without_finalizing() -> None:
     """End a rank whose result is saved without running the interpreter's finalization.
 
-    A gloo worker thread drops its reference to a finished collective only after the caller's
-    wait returned; if that reference is the last one to a tensor Python has let go of, dropping
-    it needs the GIL. A thread that asks for the GIL while Python finalizes is ended with a forced
-    unwind, which std::terminate()s inside the work's noexcept destructor: the rank dies with
-    SIGABRT ("terminate called without an active exception") after its result was written.
-    Seen in about one run in five of a 2-rank test on a loaded 2-core machine (core dump: an
-    `AsyncAllreduceWork` destructor on a gloo `runLoop` thread, waiting in `take_gil` while the
-    main thread ran `Py_FinalizeEx`). Nothing is left to do in this process, so it leaves at once.
+    A gloo worker thread marks a collective done and only then drops its own reference to it, so
+    it may drop it after the caller's wait returned; if that reference is the last one to a
+    tensor Python has let go of, dropping it needs the GIL. Gloo's worker threads outlive
+    `destroy_process_group` (its shutdown is a no-op; they are joined only when the C++ group is
+    freed, which may be at the interpreter's final gc), and under CPython 3.11 a thread that asks
+    for the GIL while Python finalizes is ended with a forced unwind, which std::terminate()s
+    inside the work's noexcept destructor: the rank dies with SIGABRT ("terminate called without
+    an active exception") after its result was written. Seen in about one run in five of a
+    2-rank test on a loaded 2-core machine (core dump: an `AsyncAllreduceWork` destructor on a
+    gloo `runLoop` thread, waiting in `take_gil` while the main thread ran `Py_FinalizeEx`).
+    `_worker` has nothing left to do, so the rank leaves at once (see `spawn` for what that
+    skips).
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -84,6 +88,10 @@ def spawn(fn: Callable[..., Any], num_ranks: int, *args: Any, backend: str = "gl
     after the start, every rank is killed and `TimeoutError` is raised: read it as a hang (deadlock) in what ``fn`` ran. The
     process-group timeout alone does not give that: a rank stuck in a Python wait, or in a receive
     whose peer is itself stuck, may never reach a timed gloo call.
+
+    A rank that returns ends with ``os._exit`` once its result is saved (`_exit_without_finalizing`
+    says why): no atexit handlers run and no thread or child process ``fn`` left behind is
+    joined, so ``fn`` closes what it opens. A rank that raises exits the usual way.
     """
     with tempfile.TemporaryDirectory(prefix="cospec-dist-") as workdir:
         ctx = mp.start_processes(_worker, args=(fn, num_ranks, workdir, backend, timeout_s, args),
