@@ -4,10 +4,11 @@ draft with: the same 64 held-out prompts and seed, the recipe's batch 16, gamma 
 temperature; plain decoding of the same prompts beside it). docs/results/real_model.md, "The
 draft's held-out acceptance as it trains".
 
-    python docs/results/real_model/draft_tau_check.py [--seeds S1,S2,...] DRAFT_DIR [DRAFT_DIR ...]
+    python docs/results/real_model/draft_tau_check.py [--bf16] [--seeds S1,S2,...] DRAFT_DIR [...]
 
 --seeds: measure each draft on the 64 prompts of each seed (default 4321, draft-train's own), to
-see how much tau moves with the prompts drawn.
+see how much tau moves with the prompts drawn. --bf16: the recipe's own precision (bf16
+rollouts; needs bf16 matmul units to be quick) instead of fp32.
 """
 import sys
 
@@ -23,9 +24,9 @@ from cospec.models.loading import with_checkpoint_model
 OVERRIDES = ["rollout.dtype=float32", "grpo.autocast=", "draft.autocast="]
 
 
-def main(dirs: list[str], seeds: list[int]) -> None:
+def main(dirs: list[str], seeds: list[int], overrides: list[str]) -> None:
     torch.set_num_threads(2)
-    cfg = with_checkpoint_model(resolve("smollm2-math", overrides=OVERRIDES))
+    cfg = with_checkpoint_model(resolve("smollm2-math", overrides=overrides))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
     for d in dirs:
@@ -42,7 +43,9 @@ def main(dirs: list[str], seeds: list[int]) -> None:
 
 if __name__ == "__main__":
     args = sys.argv[1:]
-    seeds = [4321]
+    seeds, overrides = [4321], OVERRIDES
+    if args[:1] == ["--bf16"]:
+        overrides, args = [], args[1:]
     if args[:1] == ["--seeds"]:
         seeds, args = [int(x) for x in args[1].split(",")], args[2:]
-    main(args, seeds)
+    main(args, seeds, overrides)
