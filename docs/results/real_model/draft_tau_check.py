@@ -1,4 +1,4 @@
-"""SmolLM2 (the recipe's policy, fp32): tau of saved EAGLE-3 drafts in real speculative sampling,
+"""SmolLM2 (the recipe's policy, fp32 unless --bf16): tau of saved EAGLE-3 drafts in real speculative sampling,
 side by side, by `cospec.evaluate.measure_speculation` (what `cospec draft-train` checks a new
 draft with: the same 64 held-out prompts and seed, the recipe's batch 16, gamma 4 and
 temperature; plain decoding of the same prompts beside it). docs/results/real_model.md, "The
