@@ -222,9 +222,6 @@ def cmd_train(args) -> int:
         if group is not None:
             import torch.distributed as dist
 
-            # Under gloo the exit after this could in principle abort as spawned ranks did
-            # (cospec.parallel.launch._exit_without_finalizing); not seen in the torchrun tests,
-            # so it exits normally (atexit handlers and all) until it is.
             dist.destroy_process_group()
 
 
