@@ -64,9 +64,9 @@ def _exit_without_finalizing() -> None:
     freed, which may be at the interpreter's final gc), and under CPython 3.11 a thread that asks
     for the GIL while Python finalizes is ended with a forced unwind, which std::terminate()s
     inside the work's noexcept destructor: the rank dies with SIGABRT ("terminate called without
-    an active exception") after its result was written. Seen in 5 of 17 runs of a
-    2-rank test on a loaded 2-core machine (core dump: an `AsyncAllreduceWork` destructor on a
-    gloo `runLoop` thread, waiting in `take_gil` while the main thread ran `Py_FinalizeEx`).
+    an active exception") after its result was written. Seen in 5 of 17 runs of a 2-rank test
+    on a loaded 2-core machine (core dump: an `AsyncAllreduceWork` destructor on a gloo
+    `runLoop` thread, waiting in `take_gil` while the main thread ran `Py_FinalizeEx`).
     `_worker` has nothing left to do, so the rank leaves at once (see `spawn` for what that
     skips). `cospec train` under torchrun is exposed in principle too; not seen in its tests,
     it exits normally.

@@ -1,8 +1,8 @@
-"""SmolLM2 (the recipe's policy, fp32 unless --bf16): tau of saved EAGLE-3 drafts in real speculative sampling,
-side by side, by `cospec.evaluate.measure_speculation` (what `cospec draft-train` checks a new
-draft with: the same 64 held-out prompts and seed, the recipe's batch 16, gamma 4 and
-temperature; plain decoding of the same prompts beside it). docs/results/real_model.md, "The
-draft's held-out acceptance as it trains".
+"""SmolLM2 (the recipe's policy, fp32 unless --bf16): tau of saved EAGLE-3 drafts in real
+speculative sampling, side by side, by `cospec.evaluate.measure_speculation` (what `cospec
+draft-train` checks a new draft with: the same 64 held-out prompts and seed, the recipe's batch
+16, gamma 4 and temperature; plain decoding of the same prompts beside it).
+docs/results/real_model.md, "The draft's held-out acceptance as it trains".
 
     python docs/results/real_model/draft_tau_check.py [--bf16] [--seeds S1,S2,...] DRAFT_DIR [...]
 
