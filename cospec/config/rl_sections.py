@@ -101,6 +101,11 @@ class DraftConfig:
     #: draft loss mix, offline and co-training alike: (1 - tv_weight) x soft cross-entropy +
     #: tv_weight x total variation (0 = cross-entropy only, 1 = total variation only)
     tv_weight: float = 0.0
+    #: draft loss weights, offline and co-training alike: the unroll from entry t weighs
+    #: 1 + anchor_weight x P(s_t was the residual draw after a rejection), so that training
+    #: weighs each place as often as decoding drafts from it (0 = uniform; docs/design.md,
+    #: "Where drafting starts"). Not under parallel.cp > 1 yet
+    anchor_weight: float = 0.0
     #: mixed precision of the draft's training forwards (offline and co-training): "" (fp32) or
     #: "bfloat16" (torch.autocast; weights and optimizer state stay fp32, the trunk + branch
     #: attention and the losses stay fp32). Halves the cost on GPUs and AMX CPUs; 30x dearer on
@@ -117,6 +122,7 @@ class DraftConfig:
         _check(self.cotrain_lr > 0, "draft.cotrain_lr", "must be positive")
         _check(self.cotrain_max_tokens >= 0, "draft.cotrain_max_tokens", "must be >= 0")
         _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
+        _check(self.anchor_weight >= 0, "draft.anchor_weight", f"must be >= 0, got {self.anchor_weight}")
         _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
         _check(self.autocast in ("", "bfloat16"), "draft.autocast",
                f"must be empty (fp32) or bfloat16, got {self.autocast!r}")

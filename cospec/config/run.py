@@ -55,6 +55,9 @@ class RunConfig:
                    f"grpo.micro_steps={g.micro_steps} minibatches")
         _check(p.dp * p.cp * p.pp == 1 or self.draft.mode != "oracle", "draft.mode",
                "oracle (a measurement) runs on one process only; use parallel.dp=cp=pp=1")
+        _check(p.cp == 1 or not self.draft.anchor_weight, "draft.anchor_weight",
+               "not supported under parallel.cp > 1 yet (entry t's weight reads entry t - 1, "
+               "which may sit on another rank); set it to 0")
 
     def check_against_model(self) -> None:
         """The fields that must fit the policy's architecture (`with_checkpoint_model` calls this

@@ -51,7 +51,8 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
         for batch in data:
             with autocast(d.autocast, device):  # the backward below runs outside it
                 loss, metrics = loss_fn(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
-                                        temperature=temperature, tv_weight=d.tv_weight)
+                                        temperature=temperature, tv_weight=d.tv_weight,
+                                        anchor_weight=d.anchor_weight)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if reduce_grads is not None:

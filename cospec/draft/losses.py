@@ -101,6 +101,38 @@ def total_variation(draft_logits_NV: Tensor, policy_logits_NV: Tensor,
     return 0.5 * ((p_draft - q).abs().sum(-1) + (1 - p_draft.sum(-1)).clamp(min=0))
 
 
+def rejection_posterior(draft_logits_NV: Tensor, policy_logits_NV: Tensor, next_N: Tensor,
+                        temperature: float = 1.0, vocab_ids: Tensor | None = None) -> Tensor:
+    """Per position [N] (detached): had token ``next_N`` been drafted here from q, the probability
+    that it was the residual draw after a rejection rather than an accepted draft, given that it
+    is what came: max(0, p(x) - q(x)) / p(x) = max(0, 1 - q(x) / p(x)) (docs/design.md, "Where
+    drafting starts"). 1 for a token off a reduced head (q = 0 there); 0 where p(x) = 0.
+    The policy logits may be full [N, V] or `compress_to_head`'s [N, Vd + 1]."""
+    t = _scale(temperature)
+    with torch.no_grad():
+        log_q = (_acc(draft_logits_NV) / t).log_softmax(-1)
+        logits = _acc(policy_logits_NV.detach()) / t
+        log_p_all = logits.log_softmax(-1)
+        if vocab_ids is None:
+            col = next_N
+            on_head = torch.ones_like(next_N, dtype=torch.bool)
+        else:
+            size = max(int(vocab_ids.max()), int(next_N.max())) + 1
+            index = torch.full((size,), -1, dtype=torch.long, device=next_N.device)
+            index[vocab_ids] = torch.arange(len(vocab_ids), device=next_N.device)
+            col = index[next_N]  # the head column of each token, -1 off the head
+            on_head = col >= 0
+            col = col.clamp(min=0)
+        log_q_x = log_q.gather(-1, col[:, None])[:, 0]
+        if vocab_ids is None or _compressed(policy_logits_NV, vocab_ids):
+            log_p_x = log_p_all.gather(-1, col[:, None])[:, 0]
+        else:
+            log_p_x = log_p_all.gather(-1, vocab_ids[col][:, None])[:, 0]
+        ratio = (log_q_x - log_p_x).exp()
+        posterior = torch.where(log_p_x > -float("inf"), (1 - ratio).clamp(min=0), 0.0)
+        return torch.where(on_head, posterior, 1.0)
+
+
 def masked_mean(values_N: Tensor, mask_N: Tensor) -> Tensor:
     m = mask_N.float()
     return (values_N * m).sum() / m.sum().clamp(min=1)

@@ -219,7 +219,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
                 if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
                     loss, last = ttt_loss(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
                                           temperature=cfg.sampling.temperature,
-                                          tv_weight=d.tv_weight)
+                                          tv_weight=d.tv_weight, anchor_weight=d.anchor_weight)
                 else:
                     loss, last = lm_draft_loss(draft, batch, cfg.sampling.temperature, d.tv_weight)
             opt.zero_grad(set_to_none=True)

@@ -26,7 +26,7 @@ from torch import Tensor
 from cospec.data.packing import sequence_rows
 from cospec.data.tokenizer import PAD
 from cospec.draft.block_ttt import block_unroll
-from cospec.draft.losses import soft_cross_entropy, total_variation
+from cospec.draft.losses import rejection_posterior, soft_cross_entropy, total_variation
 from cospec.models.block_draft import BlockDraft
 from cospec.models.branch_attention import trunk_branch_attention
 from cospec.models.draft import Eagle3Draft, TappedDraft
@@ -184,27 +184,61 @@ def ttt_unroll(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor,
 
 
 def ttt_loss(draft: TappedDraft, batch: TTTBatch, *, num_steps: int, decay: float = 0.8,
-             temperature: float = 1.0, tv_weight: float = 0.0) -> tuple[Tensor, dict]:
-    """sum_j decay^(j-1) * [(1 - tv_weight) * CE_j + tv_weight * TV_j], each a masked mean.
+             temperature: float = 1.0, tv_weight: float = 0.0,
+             anchor_weight: float = 0.0) -> tuple[Tensor, dict]:
+    """sum_j decay^(j-1) * [(1 - tv_weight) * CE_j + tv_weight * TV_j], each a masked mean
+    (weighted by `anchor_weights` when ``anchor_weight`` > 0).
 
     Returns (loss, metrics) with per-step ``ce``, ``tv`` and ``acceptance`` (= 1 - TV: the expected
-    acceptance of step j's drafts under speculative sampling at this temperature, teacher-forced).
+    acceptance of step j's drafts under speculative sampling at this temperature, teacher-forced;
+    unweighted means, whatever the loss's weights).
     """
     return ttt_loss_on_steps(draft, ttt_steps(draft, batch, num_steps), batch.cu_seqlens,
-                             decay=decay, temperature=temperature, tv_weight=tv_weight)
+                             decay=decay, temperature=temperature, tv_weight=tv_weight,
+                             anchor_weight=anchor_weight)
+
+
+def anchor_weights(first_logits_TV: Tensor, steps: TTTSteps, cu_seqlens: Tensor, strength: float,
+                   temperature: float, vocab_ids: Tensor | None) -> Tensor:
+    """[T] detached: 1 + strength * (the probability that real drafting starts at entry t after a
+    rejection), so that the unroll at t weighs as often as decoding drafts from there.
+
+    Decoding drafts from entry t when token s_t was the verify step's last token: the residual
+    draw after a rejection (most steps), or the bonus after all gamma drafts passed. Given that
+    s_t came, the first has probability `rejection_posterior` under the q that drafted s_t, read
+    here from step 1's logits at entry t - 1 (docs/design.md, "Where drafting starts"). Measured
+    on SmolLM2, the first drafted token after a rejection is accepted at 0.61 against 0.72 over
+    all positions (docs/results/real_model.md), so uniform weights train the draft least where
+    it is used most. Sequence starts and prompt tokens keep weight 1.
+    """
+    posterior = rejection_posterior(first_logits_TV[:-1], steps.targets_JTV[0][:-1],
+                                    steps.tokens_JT[0][1:], temperature, vocab_ids)
+    weights = torch.ones(steps.tokens_JT.shape[1], device=posterior.device, dtype=posterior.dtype)
+    weights[1:] += strength * posterior * steps.mask_JT[0][:-1]  # s_t a response token
+    weights[cu_seqlens[:-1]] = 1.0  # entry t - 1 belongs to the previous sequence
+    return weights
 
 
 def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *,
                       decay: float = 0.8, temperature: float = 1.0, tv_weight: float = 0.0,
-                      attention=trunk_branch_attention, total_count=None) -> tuple[Tensor, dict]:
-    """`ttt_loss` on (possibly sharded) steps. ``total_count(count) -> count``: under context
-    parallelism, the all-reduced number of trained tokens of a step, so that each rank's loss is its
-    share of the global masked mean (the ranks' losses and gradients then sum to the cp=1 ones)."""
+                      anchor_weight: float = 0.0, attention=trunk_branch_attention,
+                      total_count=None, sharded: bool = False) -> tuple[Tensor, dict]:
+    """`ttt_loss` on (possibly sharded) steps. ``total_count(count) -> count``: under data or
+    context parallelism, the all-reduced (weighted) number of trained tokens of a step, so that
+    each rank's loss is its share of the global masked mean (the ranks' losses and gradients then
+    sum to the single-process ones). ``sharded``: the steps are a context-parallel shard, where
+    entry t - 1 of `anchor_weights` may sit on another rank (not supported)."""
+    if anchor_weight and sharded:
+        raise ValueError("draft.anchor_weight is not supported under context parallelism yet "
+                         "(entry t's weight reads entry t - 1, which may sit on another rank); "
+                         "set draft.anchor_weight=0 or parallel.cp=1")
     if isinstance(draft, BlockDraft):
         logits, confidence = block_unroll(draft, steps, cu_seqlens, attention)
     else:
         logits = ttt_unroll(draft, steps, cu_seqlens, attention)
         confidence = [None] * len(logits)
+    weights = (anchor_weights(logits[0], steps, cu_seqlens, anchor_weight, temperature,
+                              draft.vocab_ids) if anchor_weight else None)
     total = torch.zeros((), device=steps.tokens_JT.device)
     metrics = {"ce": [], "tv": [], "acceptance": []}
     for j, (lg, conf) in enumerate(zip(logits, confidence)):
@@ -212,9 +246,14 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         count = (mask.sum() if total_count is None else total_count(mask.sum())).clamp(min=1)
         target, ids = steps.targets_JTV[j], draft.vocab_ids
         tv_t = total_variation(lg, target, temperature, ids)
-        ce = (soft_cross_entropy(lg, target, temperature, ids) * mask).sum() / count
-        tv = (tv_t * mask).sum() / count
-        total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
+        ce_t = soft_cross_entropy(lg, target, temperature, ids)
+        ce, tv = (ce_t * mask).sum() / count, (tv_t * mask).sum() / count
+        if weights is None:
+            total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
+        else:  # the loss weighted by anchor, the metrics as they are
+            wm = weights * mask
+            w_count = (wm.sum() if total_count is None else total_count(wm.sum())).clamp(min=1e-6)
+            total = total + decay ** j * (((1 - tv_weight) * ce_t + tv_weight * tv_t) * wm).sum() / w_count
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())
         metrics["acceptance"].append(1 - metrics["tv"][-1])

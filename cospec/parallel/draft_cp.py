@@ -49,7 +49,8 @@ def ttt_loss_cp(draft: TappedDraft, steps: TTTSteps, layout: ZigzagLayout, *, ra
     attention = functools.partial(ring_trunk_branch_attention, group=group)
     counts = group if count_group == "cp" else count_group
     return ttt_loss_on_steps(draft, local, layout.local_cu_seqlens(), attention=attention,
-                             total_count=functools.partial(all_reduce_sum, group=counts), **loss_kwargs)
+                             total_count=functools.partial(all_reduce_sum, group=counts),
+                             sharded=True, **loss_kwargs)
 
 
 def all_reduce_grads(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
