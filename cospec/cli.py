@@ -193,9 +193,9 @@ def cmd_draft_train(args) -> int:
         step = "by TTT step" if len(acc) > 1 else "of the next token"  # a draft LM has one
         print(f"teacher-forced acceptance (1 - TV) {step}, last batch: {', '.join(f'{a:.2f}' for a in acc)}")
     for h in metrics["held_out"]:
-        key = "acceptance" if "acceptance" in h else "ce"
+        key, tau = ("acceptance" if "acceptance" in h else "ce"), h.get("expected_accept_length", [])
         print(f"  held-out ({metrics['num_held_out_answers']} answers) at step {h['step']}: {key} "
-              + ", ".join(f"{a:.2f}" for a in h[key]))
+              + ", ".join(f"{a:.2f}" for a in h[key]) + "".join(f", expected tau {t:.2f}" for t in tau))
     spec, plain = measure_speculation(cfg, policy, draft, data)
     st = spec.stats
     print(f"speculative sampling on 64 held-out prompts, gamma={cfg.rollout.gamma}, batch "

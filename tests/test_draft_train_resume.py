@@ -257,7 +257,7 @@ def test_draft_train_prints_the_held_out_curve_and_offers_fresh(tmp_path, capsys
     assert "reusing 12 kept train answers" in capsys.readouterr().out
 
 
-def test_the_training_figure_is_drawn_for_a_draft_lm_and_without_held_out_answers(tmp_path):
+def test_the_training_figure_is_drawn_for_a_draft_lm_an_eagle3_draft_and_without_held_out_answers(tmp_path):
     from cospec.metrics.draft_training import plot_draft_training
 
     losses = [3.0 - 0.01 * i for i in range(40)]
@@ -266,7 +266,11 @@ def test_the_training_figure_is_drawn_for_a_draft_lm_and_without_held_out_answer
     lm_ce_only = {"loss_history": losses,  # a draft LM's metrics before they kept TV
                   "held_out": [{"step": 0, "ce": [3.1]}, {"step": 40, "ce": [2.7]}]}
     none = {"loss_history": [1.0, 0.9], "held_out": []}
-    for name, metrics in (("lm.png", lm), ("lm_ce.png", lm_ce_only), ("none.png", none)):
+    eagle3 = {"loss_history": losses, "held_out": [
+        {"step": 0, "acceptance": [0.3, 0.2], "expected_accept_length": [1.4]},
+        {"step": 40, "acceptance": [0.6, 0.5], "expected_accept_length": [2.1]}]}
+    for name, metrics in (("lm.png", lm), ("lm_ce.png", lm_ce_only), ("none.png", none),
+                          ("eagle3.png", eagle3)):
         assert plot_draft_training(metrics, tmp_path / name).read_bytes()[:4] == b"\x89PNG"
 
 

@@ -29,6 +29,7 @@ import torch
 from cospec.config import RunConfig
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import Answer, AnswerStore, policy_answers
+from cospec.draft.expected_accept_length import expected_accept_length
 from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline_checkpoint import OfflineCheckpoint
 from cospec.draft.policy_outputs import num_tokens, policy_batches
@@ -123,7 +124,10 @@ def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float,
 
 def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str, list[float]]:
     """The training loss's metrics (per TTT step, or the draft LM's one step: acceptance = 1 - TV,
-    ce, tv) on answers the draft does not train on, each averaged over their answer tokens, no gradient."""
+    ce, tv) on answers the draft does not train on, each averaged over their answer tokens, no
+    gradient; for an EAGLE-3 or block draft also ``expected_accept_length`` ([tau]): the tau that
+    drafting rollout.gamma tokens a step would reach on these answers
+    (`cospec.draft.expected_accept_length`), the held-out figure that reads like real tau."""
     sums, count = {}, 0
     was_training = draft.training
     draft.eval()
@@ -138,8 +142,14 @@ def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str
             for k, v in m.items():
                 sums[k] = [a + n * x for a, x in zip(sums.get(k, [0.0] * len(v)), v)]
             count += n
+    metrics = {k: [x / max(count, 1) for x in v] for k, v in sums.items()}
+    if isinstance(draft, TappedDraft) and batches:
+        with torch.no_grad():
+            steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma,
+                                                   cfg.sampling.temperature)
+        metrics["expected_accept_length"] = [tokens / max(steps, 1e-9)]
     draft.train(was_training)
-    return {k: [x / max(count, 1) for x in v] for k, v in sums.items()}
+    return metrics
 
 
 def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data: TaskData | None = None,
@@ -248,7 +258,8 @@ def _held_out_note(held_out: list[dict]) -> str:
     if not held_out or "acceptance" not in held_out[-1]:
         return ""
     acc = "/".join(f"{a:.2f}" for a in held_out[-1]["acceptance"])
-    return f", held-out {acc}"
+    tau = held_out[-1].get("expected_accept_length")
+    return f", held-out {acc}" + (f" (tau {tau[0]:.2f})" if tau else "")
 
 
 def _as_random_state(state) -> tuple:

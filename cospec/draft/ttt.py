@@ -219,6 +219,16 @@ def anchor_weights(first_logits_TV: Tensor, steps: TTTSteps, cu_seqlens: Tensor,
     return weights
 
 
+def unroll(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor,
+           attention=trunk_branch_attention) -> tuple[list[Tensor], list[Tensor | None]]:
+    """(logits [T, Vd] per step, confidence [T] per step or None) of an EAGLE-3 draft's TTT
+    unroll or a block draft's block positions."""
+    if isinstance(draft, BlockDraft):
+        return block_unroll(draft, steps, cu_seqlens, attention)
+    logits = ttt_unroll(draft, steps, cu_seqlens, attention)
+    return logits, [None] * len(logits)
+
+
 def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *,
                       decay: float = 0.8, temperature: float = 1.0, tv_weight: float = 0.0,
                       anchor_weight: float = 0.0, attention=trunk_branch_attention,
@@ -232,11 +242,7 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         raise ValueError("draft.anchor_weight is not supported under context parallelism yet "
                          "(entry t's weight reads entry t - 1, which may sit on another rank); "
                          "set draft.anchor_weight=0 or parallel.cp=1")
-    if isinstance(draft, BlockDraft):
-        logits, confidence = block_unroll(draft, steps, cu_seqlens, attention)
-    else:
-        logits = ttt_unroll(draft, steps, cu_seqlens, attention)
-        confidence = [None] * len(logits)
+    logits, confidence = unroll(draft, steps, cu_seqlens, attention)
     weights = (anchor_weights(logits[0], steps, cu_seqlens, anchor_weight, temperature,
                               draft.vocab_ids) if anchor_weight else None)
     total = torch.zeros((), device=steps.tokens_JT.device)

@@ -1,0 +1,100 @@
+"""The accept length real drafting would reach on given answers, computed teacher-forced.
+
+# J drafting steps (gamma), T packed tokens
+
+Real tau (tokens per verify step, `cospec.rollout.speculation_stats`) is measured on answers that
+speculation itself samples, so two drafts measured on the same prompts see different answers, and
+at 64 prompts tau moves by +-0.15 with the draws alone. Held-out acceptance (1 - TV averaged over
+every answer position) is paired and smooth, but reads high: decoding drafts from where the last
+verify step ended, most often just after a rejection, where the draft does worst
+(docs/design.md, "Where drafting starts").
+
+Lossless sampling gives an exact middle way (docs/design.md, "Expected accept length on fixed
+answers"). Given an answer, whether each token came as an accepted draft or as the residual draw
+after a rejection has a known probability, and which happened decides where the next step
+drafts from. So the answer fixes a Markov chain over the anchors (the pending token each step
+drafts from) whose expected number of steps is what decoding would take on that answer on
+average. Its accept probabilities come from one TTT unroll over the answer: step j at anchor a is
+exactly what the draft computes in decoding when the drafts before it were the answer's own
+tokens (`cospec.draft.ttt`), the only case in which step j is judged.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cospec.draft.losses import rejection_posterior
+from cospec.draft.ttt import TTTBatch, ttt_steps, unroll
+
+
+def accept_given_token(logits_J: list[Tensor], targets_JTV: Tensor, tokens_T: Tensor,
+                       temperature: float, vocab_ids: Tensor | None) -> Tensor:
+    """[J, T]: for drafting step j + 1 at anchor a, the probability that the answer's token
+    s_{a+j+1}, had it been drafted there, was accepted rather than redrawn: min(1, q(x) / p(x)),
+    i.e. 1 - `rejection_posterior`. Entries whose token lies past the row are meaningless (the
+    chain never reads them). ``logits_J``: the unroll's logits [T, Vd] per step;
+    ``targets_JTV``: p's logits at t + j (`TTTSteps.targets_JTV`)."""
+    T, out = tokens_T.shape[0], []
+    for j, logits in enumerate(logits_J):
+        nxt = torch.cat([tokens_T[j + 1:], tokens_T.new_zeros(j + 1)])[:T]
+        out.append(1 - rejection_posterior(logits, targets_JTV[j], nxt, temperature, vocab_ids))
+    return torch.stack(out)
+
+
+def expected_steps(accept_JT: Tensor, cu_seqlens: Tensor, loss_mask: Tensor) -> tuple[float, int]:
+    """(expected verify steps, tokens those steps produce) summed over the packed answers.
+
+    An answer packs as s_0..s_{L-1} (`cospec.data.packing`: its last token s_L, an EOS or the
+    token at the length cap, is a target only); its response starts at s_P. The first response
+    token comes from the prefill, so the first step drafts from anchor P (pending token s_P). A
+    step from anchor a drafts s_{a+1}..s_{a+J}: a rejection at s_{a+j} (probability 1 - accept
+    there, given the drafts before it passed) makes s_{a+j} the residual draw and the next anchor;
+    all J accepted make s_{a+J+1} the bonus and the next anchor. A step that emits s_L ends the
+    answer, whatever it drafted past it. Tokens: s_{P+1}..s_L, L - P per answer (the engine's
+    count also takes in a last step's tokens past the end, which the answer does not show)."""
+    J = accept_JT.shape[0]
+    accept = accept_JT.double().tolist()
+    mask = loss_mask.tolist()
+    total_steps, total_tokens = 0.0, 0
+    for start, end in zip(cu_seqlens[:-1].tolist(), cu_seqlens[1:].tolist()):
+        trained = [t for t in range(start, end) if mask[t] > 0]
+        if not trained:
+            continue
+        first = trained[0] + 1  # s_P as a packed index; s_L would sit at `end`
+        anchor = [0.0] * (end + J + 2)
+        if first < end:
+            anchor[first] = 1.0
+        for a in range(first, end):
+            if anchor[a] == 0.0:
+                continue
+            total_steps += anchor[a]
+            reach = anchor[a]
+            for j in range(1, J + 1):
+                if a + j >= end:  # this step emits s_L: the answer ends
+                    reach = 0.0
+                    break
+                p_accept = accept[j - 1][a]
+                anchor[a + j] += reach * (1 - p_accept)
+                reach *= p_accept
+            if reach and a + J + 1 < end:
+                anchor[a + J + 1] += reach
+        total_tokens += end - first
+    return total_steps, total_tokens
+
+
+@torch.no_grad()
+def expected_accept_length(draft, batches, gamma: int, temperature: float) -> tuple[float, int]:
+    """(expected verify steps, tokens) of drafting ``gamma`` tokens a step (an EAGLE-3 or block
+    draft) on the answers of ``batches`` (`TTTBatch`es with the policy's logits at the sampling
+    temperature's source); tau = tokens / steps."""
+    total_steps, total_tokens = 0.0, 0
+    for batch in batches:
+        batch: TTTBatch
+        steps = ttt_steps(draft, batch, gamma)
+        logits, _ = unroll(draft, steps, batch.cu_seqlens)
+        accept = accept_given_token(logits, steps.targets_JTV, batch.tokens, temperature,
+                                    draft.vocab_ids)
+        s, t = expected_steps(accept, batch.cu_seqlens, batch.loss_mask)
+        total_steps, total_tokens = total_steps + s, total_tokens + t
+    return total_steps, total_tokens
