@@ -14,8 +14,10 @@ import random
 import pytest
 import torch
 
-from cospec.config import ModelConfig, SamplingConfig
+from cospec.config import ModelConfig, SamplingConfig, resolve
 from cospec.draft.expected_accept_length import accept_given_token, expected_steps
+from cospec.draft.losses import compress_to_head, rejection_posterior
+from cospec.draft.offline import held_out_metrics
 from cospec.draft.ttt import TTTBatch, ttt_steps, ttt_unroll
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
@@ -26,7 +28,7 @@ V, G, PROMPT, M = 3, 2, (0,), 5  # vocab, gamma, prompt, response length
 
 def _dist(*key) -> list[float]:
     """A fixed, sharply varying distribution over V tokens for each key."""
-    rng = random.Random(hash(key))
+    rng = random.Random(repr(key))  # not hash(): strings hash differently in every process
     w = [rng.random() ** 3 + 0.02 for _ in range(V)]
     return [x / sum(w) for x in w]
 
@@ -139,3 +141,64 @@ def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(h
     expected, num_tokens = expected_steps(accept, cu, mask)
     assert num_tokens == sum(len(c.tokens) - 1 for c in result.completions)
     assert expected == pytest.approx(result.stats.row_steps, rel=0.03)
+
+
+def _tiny_batch(policy, draft, lengths, prompt_lengths):
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(4, CFG.vocab_size, (sum(lengths),), generator=gen)
+    cu = torch.tensor([0] + lengths).cumsum(0)
+    mask = torch.zeros(len(tokens))
+    for start, end, p in zip(cu[:-1].tolist(), cu[1:].tolist(), prompt_lengths):
+        mask[start + p - 1:end] = 1
+    with torch.no_grad():
+        out = policy(tokens[None], cu_seqlens=cu, tap_layers=draft.tap_layers)
+    return TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask,
+                    taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
+
+
+def test_step_j_at_anchor_a_judges_the_answers_token_a_plus_j_plus_1_with_a_reduced_head():
+    """The alignment, entry by entry: step j + 1's logits at anchor a against p at a + j and the
+    token s_{a+j+1}, for compressed targets as the offline data keeps them."""
+    torch.manual_seed(3)
+    policy = Transformer(CFG).eval()
+    ids = torch.tensor([0, 2, 4, 5, 7, 9, 11, 12, 15, 16, 20, 23])
+    draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2), vocab_ids=ids).eval()
+    batch = _tiny_batch(policy, draft, [10, 7], [3, 4])
+    batch.policy_logits = compress_to_head(batch.policy_logits, ids, 0.7)
+    with torch.no_grad():
+        steps = ttt_steps(draft, batch, 3)
+        logits = ttt_unroll(draft, steps, batch.cu_seqlens)
+        accept = accept_given_token(logits, steps.targets_JTV, batch.tokens, 0.7, ids)
+        for j in range(3):
+            for a in range(len(batch.tokens) - j - 1):
+                x = batch.tokens[a + j + 1:a + j + 2]
+                want = 1 - rejection_posterior(logits[j][a:a + 1], batch.policy_logits[a + j:a + j + 1],
+                                               x, 0.7, ids)
+                torch.testing.assert_close(accept[j, a:a + 1], want)
+    off_head = ~torch.isin(batch.tokens, ids)
+    assert off_head.any() and bool((accept[0, :-1][off_head[1:]] == 0).all())  # q = 0 there
+
+
+def test_held_out_metrics_report_the_expected_tau_for_temperature_sampling_only():
+    torch.manual_seed(4)
+    policy = Transformer(CFG).eval()
+    draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2)).eval()
+    batch = _tiny_batch(policy, draft, [12, 9], [4, 3])
+    cfg = resolve("tiny", overrides=["rollout.gamma=3", "sampling.temperature=0.7"])
+    m = held_out_metrics(draft, [batch], cfg)
+    with torch.no_grad():
+        steps = ttt_steps(draft, batch, 3)
+        accept = accept_given_token(ttt_unroll(draft, steps, batch.cu_seqlens), steps.targets_JTV,
+                                    batch.tokens, 0.7, None)
+    expected, tokens = expected_steps(accept, batch.cu_seqlens, batch.loss_mask)
+    assert m["expected_accept_length"] == [pytest.approx(tokens / expected)]
+    for warp in ("sampling.top_p=0.9", "sampling.top_k=5", "sampling.temperature=0"):
+        cfg = resolve("tiny", overrides=["rollout.gamma=3", warp])
+        assert "expected_accept_length" not in held_out_metrics(draft, [batch], cfg), warp
+
+
+def test_a_token_the_policy_cannot_sample_has_no_residual_share():
+    policy_logits = torch.tensor([[0.0, 1.0, -float("inf")]])
+    draft_logits = torch.tensor([[0.0, 0.0, 0.0]])
+    got = rejection_posterior(draft_logits, policy_logits, torch.tensor([2]), 1.0, None)
+    assert got.tolist() == [0.0]

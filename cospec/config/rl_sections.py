@@ -103,8 +103,9 @@ class DraftConfig:
     tv_weight: float = 0.0
     #: draft loss weights, offline and co-training alike: the unroll from entry t weighs
     #: 1 + anchor_weight x P(s_t was the residual draw after a rejection), so that training
-    #: weighs each place as often as decoding drafts from it (0 = uniform; docs/design.md,
-    #: "Where drafting starts"). Not under parallel.cp > 1 yet
+    #: weighs each place roughly as often as decoding drafts from it (0 = uniform;
+    #: docs/design.md, "Where drafting starts"). A 480-step fine-tune at 4 did not change a
+    #: SmolLM2 draft's expected tau (docs/results/real_model.md). Not under parallel.cp > 1 yet
     anchor_weight: float = 0.0
     #: mixed precision of the draft's training forwards (offline and co-training): "" (fp32) or
     #: "bfloat16" (torch.autocast; weights and optimizer state stay fp32, the trunk + branch

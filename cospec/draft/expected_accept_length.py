@@ -17,6 +17,12 @@ drafts from) whose expected number of steps is what decoding would take on that 
 average. Its accept probabilities come from one TTT unroll over the answer: step j at anchor a is
 exactly what the draft computes in decoding when the drafts before it were the answer's own
 tokens (`cospec.draft.ttt`), the only case in which step j is judged.
+
+The accept probabilities are those of sampling at a temperature > 0 without top-k or top-p
+(p and q as softmax(logits / temperature)); `cospec.draft.offline.held_out_metrics` leaves the
+figure out for other sampling. The engine's tau also counts a last step's tokens past an
+answer's end, which the answer does not show, so on the same answers this reads a little lower
+(SmolLM2: 2.624 against 2.644, docs/results/real_model.md).
 """
 
 from __future__ import annotations
@@ -62,23 +68,24 @@ def expected_steps(accept_JT: Tensor, cu_seqlens: Tensor, loss_mask: Tensor) -> 
         if not trained:
             continue
         first = trained[0] + 1  # s_P as a packed index; s_L would sit at `end`
-        anchor = [0.0] * (end + J + 2)
+        anchor = [0.0] * (end - first + J + 2)  # P(anchor at first + i)
         if first < end:
-            anchor[first] = 1.0
+            anchor[0] = 1.0
         for a in range(first, end):
-            if anchor[a] == 0.0:
+            here = anchor[a - first]
+            if here == 0.0:
                 continue
-            total_steps += anchor[a]
-            reach = anchor[a]
+            total_steps += here
+            reach = here
             for j in range(1, J + 1):
                 if a + j >= end:  # this step emits s_L: the answer ends
                     reach = 0.0
                     break
                 p_accept = accept[j - 1][a]
-                anchor[a + j] += reach * (1 - p_accept)
+                anchor[a + j - first] += reach * (1 - p_accept)
                 reach *= p_accept
             if reach and a + J + 1 < end:
-                anchor[a + J + 1] += reach
+                anchor[a + J + 1 - first] += reach
         total_tokens += end - first
     return total_steps, total_tokens
 

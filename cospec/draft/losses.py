@@ -110,26 +110,18 @@ def rejection_posterior(draft_logits_NV: Tensor, policy_logits_NV: Tensor, next_
     The policy logits may be full [N, V] or `compress_to_head`'s [N, Vd + 1]."""
     t = _scale(temperature)
     with torch.no_grad():
-        log_q = (_acc(draft_logits_NV) / t).log_softmax(-1)
-        logits = _acc(policy_logits_NV.detach()) / t
-        log_p_all = logits.log_softmax(-1)
         if vocab_ids is None:
-            col = next_N
-            on_head = torch.ones_like(next_N, dtype=torch.bool)
-        else:
-            size = max(int(vocab_ids.max()), int(next_N.max())) + 1
-            index = torch.full((size,), -1, dtype=torch.long, device=next_N.device)
-            index[vocab_ids] = torch.arange(len(vocab_ids), device=next_N.device)
-            col = index[next_N]  # the head column of each token, -1 off the head
-            on_head = col >= 0
-            col = col.clamp(min=0)
-        log_q_x = log_q.gather(-1, col[:, None])[:, 0]
-        if vocab_ids is None or _compressed(policy_logits_NV, vocab_ids):
-            log_p_x = log_p_all.gather(-1, col[:, None])[:, 0]
-        else:
-            log_p_x = log_p_all.gather(-1, vocab_ids[col][:, None])[:, 0]
-        ratio = (log_q_x - log_p_x).exp()
-        posterior = torch.where(log_p_x > -float("inf"), (1 - ratio).clamp(min=0), 0.0)
+            col, on_head = next_N, torch.ones_like(next_N, dtype=torch.bool)
+        else:  # a draft's vocab_ids increase (`cospec.models.draft`): a search, no host sync
+            col = torch.searchsorted(vocab_ids, next_N).clamp(max=len(vocab_ids) - 1)
+            on_head = vocab_ids[col] == next_N
+        x = _acc(draft_logits_NV) / t
+        log_q_x = x.gather(-1, col[:, None])[:, 0] - x.logsumexp(-1)
+        # p's column of x: the head's column in compressed targets, else the policy id itself
+        y = _acc(policy_logits_NV.detach()) / t
+        p_col = col if vocab_ids is not None and _compressed(policy_logits_NV, vocab_ids) else next_N
+        log_p_x = y.gather(-1, p_col[:, None])[:, 0] - y.logsumexp(-1)
+        posterior = torch.where(log_p_x > -float("inf"), (1 - (log_q_x - log_p_x).exp()).clamp(min=0), 0.0)
         return torch.where(on_head, posterior, 1.0)
 
 

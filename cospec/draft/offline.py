@@ -125,9 +125,10 @@ def lm_draft_loss(lm: Transformer, batch: TTTBatch, temperature: float,
 def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str, list[float]]:
     """The training loss's metrics (per TTT step, or the draft LM's one step: acceptance = 1 - TV,
     ce, tv) on answers the draft does not train on, each averaged over their answer tokens, no
-    gradient; for an EAGLE-3 or block draft also ``expected_accept_length`` ([tau]): the tau that
-    drafting rollout.gamma tokens a step would reach on these answers
-    (`cospec.draft.expected_accept_length`), the held-out figure that reads like real tau."""
+    gradient; for an EAGLE-3 or block draft sampled at a temperature without top-k or top-p,
+    also ``expected_accept_length`` ([tau]): the tau that drafting rollout.gamma tokens a step
+    would reach on these answers (`cospec.draft.expected_accept_length`), the held-out figure
+    that reads like real tau (a little lower: it cannot count tokens past an answer's end)."""
     sums, count = {}, 0
     was_training = draft.training
     draft.eval()
@@ -143,11 +144,12 @@ def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str
                 sums[k] = [a + n * x for a, x in zip(sums.get(k, [0.0] * len(v)), v)]
             count += n
     metrics = {k: [x / max(count, 1) for x in v] for k, v in sums.items()}
-    if isinstance(draft, TappedDraft) and batches:
+    s = cfg.sampling
+    if isinstance(draft, TappedDraft) and batches and s.temperature > 0 and not s.top_k \
+            and s.top_p == 1.0:  # the chain's accept probabilities: plain temperature sampling
         with torch.no_grad():
-            steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma,
-                                                   cfg.sampling.temperature)
-        metrics["expected_accept_length"] = [tokens / max(steps, 1e-9)]
+            steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma, s.temperature)
+        metrics["expected_accept_length"] = [tokens / steps if steps else float("nan")]
     draft.train(was_training)
     return metrics
 

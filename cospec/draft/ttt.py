@@ -200,16 +200,20 @@ def ttt_loss(draft: TappedDraft, batch: TTTBatch, *, num_steps: int, decay: floa
 
 def anchor_weights(first_logits_TV: Tensor, steps: TTTSteps, cu_seqlens: Tensor, strength: float,
                    temperature: float, vocab_ids: Tensor | None) -> Tensor:
-    """[T] detached: 1 + strength * (the probability that real drafting starts at entry t after a
-    rejection), so that the unroll at t weighs as often as decoding drafts from there.
+    """[T] detached: 1 + strength * P(s_t came as the residual draw after a rejection), an
+    approximation of how often real drafting starts from entry t.
 
-    Decoding drafts from entry t when token s_t was the verify step's last token: the residual
-    draw after a rejection (most steps), or the bonus after all gamma drafts passed. Given that
-    s_t came, the first has probability `rejection_posterior` under the q that drafted s_t, read
-    here from step 1's logits at entry t - 1 (docs/design.md, "Where drafting starts"). Measured
-    on SmolLM2, the first drafted token after a rejection is accepted at 0.61 against 0.72 over
-    all positions (docs/results/real_model.md), so uniform weights train the draft least where
-    it is used most. Sequence starts and prompt tokens keep weight 1.
+    Decoding drafts from entry t when token s_t ended the previous verify step: the residual draw
+    after a rejection (most steps), or the bonus after all gamma drafts passed. Given that s_t
+    came and that it was judged, the first has probability `rejection_posterior` under the q
+    that proposed it (docs/design.md, "Where drafting starts"). The approximation: that q is read
+    from step 1 at entry t - 1, as if t - 1 had been an anchor (it is step j's from anchor t - j
+    otherwise), and neither the chance that s_t was judged at all nor the bonus starts are
+    weighed (the exact P(anchor at t) is `cospec.draft.expected_accept_length`'s chain). Measured
+    on SmolLM2, teacher-forced, a draft is accepted at 0.63-0.66 where real drafting started
+    against 0.75-0.77 elsewhere (docs/results/real_model.md): uniform weights train the draft
+    least where it is used most. Sequence starts and prompt tokens keep weight 1; so, approximately, does the
+    first response token (always an anchor in decoding).
     """
     posterior = rejection_posterior(first_logits_TV[:-1], steps.targets_JTV[0][:-1],
                                     steps.tokens_JT[0][1:], temperature, vocab_ids)

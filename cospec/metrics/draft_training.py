@@ -45,10 +45,12 @@ def plot_draft_training(metrics: dict, path: str | Path) -> Path:
             ax_held.plot(x, [h[key][j] for h in held], marker="o", ms=3,
                          label=_series_label(key, len(held[0][key]), j))
         ax_held.legend(loc="lower right" if key == "acceptance" else "upper right", frameon=False)
-        if "expected_accept_length" in held[0]:  # tau, on its own axis: 1 .. gamma + 1
+        if any("expected_accept_length" in h for h in held):
+            # tau on its own axis; a run resumed from before it was kept has gaps
             ax_tau = ax_held.twinx()
-            ax_tau.plot(x, [h["expected_accept_length"][0] for h in held], color="k", ls="--",
-                        marker="s", ms=3, label="expected tau on these answers (right)")
+            tau = [h.get("expected_accept_length", [float("nan")])[0] for h in held]
+            ax_tau.plot(x, tau, color="k", ls="--", marker="s", ms=3,
+                        label="expected tau on these answers (right)")
             ax_tau.set(ylabel="expected tau (tokens per verify step)", ylim=(1, None))
             ax_tau.legend(loc="lower left", frameon=False)
     else:

@@ -32,14 +32,17 @@ def main(count: int, dirs: list[str], overrides: list[str]) -> None:
     device = next(policy.parameters()).device
     held = sample_responses(cfg, policy, data, split="held_out",
                             store=answer_store(cfg, starting_policy_fields(cfg)))
-    batches = None
+    batches, vocab_ids = None, None
     for d in dirs:
         draft = load_draft(d, device=device).eval()
-        if batches is None:  # the same head for every draft compared (checked below)
+        same_head = (draft.vocab_ids is None and vocab_ids is None) or (
+            draft.vocab_ids is not None and vocab_ids is not None
+            and torch.equal(draft.vocab_ids, vocab_ids))
+        if batches is None or not same_head:
+            # the policy's outputs in the form this draft's head reads (computed again only
+            # for a draft with another vocabulary)
             vocab_ids = draft.vocab_ids
             batches = policy_batches(cfg, policy, held, vocab_ids=vocab_ids, progress=True)
-        if not torch.equal(draft.vocab_ids, vocab_ids):
-            raise ValueError(f"{d}: another draft vocabulary than {dirs[0]}'s")
         m = held_out_metrics(draft, batches, cfg)
         print(f"{d}: {len(held)} held-out answers, acceptance by TTT step "
               f"{[round(a, 3) for a in m['acceptance']]}, expected tau at gamma "

@@ -41,13 +41,14 @@ def main(draft_dir: str, seed: int) -> None:
     cfg = with_checkpoint_model(resolve("smollm2-math", overrides=OVERRIDES))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data, tok = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer), start.tokenizer
-    draft = load_draft(draft_dir).eval()
+    draft = load_draft(draft_dir, device=next(policy.parameters()).device).eval()
     drafter, ids, t = make_drafter(draft), draft.vocab_ids, cfg.sampling.temperature
     rng = random.Random(seed)
     prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(64)]
 
     steps, checks, pending, last = [], [], [], {}  # last: slot -> (n, accepted) of its previous step
-    original_draft, original_verify, pick = SpeculativeEngine._draft, speculative.verify_drafts, random.Random(0)
+    original_draft, original_verify = SpeculativeEngine._draft, speculative.verify_drafts
+    pick = random.Random(0)
 
     def recording_draft(self, active, rows_t, rows_N, n_N, gamma, sampling, generator):
         pending[:] = [(s, n, self.seq_BS[s, :n + 1].clone()) for s, n in zip(active, n_N.tolist())]
@@ -70,9 +71,11 @@ def main(draft_dir: str, seed: int) -> None:
     SpeculativeEngine._draft, speculative.verify_drafts = recording_draft, recording_verify
     engine = SpeculativeEngine(policy, draft, batch_size=16, gamma=4, stop_ids=tok.stop_ids)
     with torch.inference_mode():
-        result = engine.generate(prompts, cfg.sampling, generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator(device=next(policy.parameters()).device).manual_seed(seed)
+        result = engine.generate(prompts, cfg.sampling, generator=generator)
     st = result.stats
-    print(f"tau {st.accept_length:.3f}, acceptance by position {[round(a, 3) for a in st.acceptance_by_position]}")
+    print(f"tau {st.accept_length:.3f}, acceptance by position "
+          f"{[round(a, 3) for a in st.acceptance_by_position]}")
     mean = lambda xs: sum(xs) / max(len(xs), 1)  # noqa: E731
     print(f"{len(steps)} drafting steps: engine's expected first-position acceptance "
           f"{mean([a for _, a, _, _ in steps]):.4f}, observed {mean([k > 0 for _, _, k, _ in steps]):.4f}")
