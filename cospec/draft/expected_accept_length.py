@@ -27,6 +27,8 @@ answer's end, which the answer does not show, so on the same answers this reads 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import Tensor
 
@@ -91,13 +93,13 @@ def expected_steps(accept_JT: Tensor, cu_seqlens: Tensor, loss_mask: Tensor) -> 
 
 
 @torch.no_grad()
-def expected_accept_length(draft, batches, gamma: int, temperature: float) -> tuple[float, int]:
+def expected_accept_length(draft, batches: Sequence[TTTBatch], gamma: int,
+                           temperature: float) -> tuple[float, int]:
     """(expected verify steps, tokens) of drafting ``gamma`` tokens a step (an EAGLE-3 or block
-    draft) on the answers of ``batches`` (`TTTBatch`es with the policy's logits at the sampling
-    temperature's source); tau = tokens / steps."""
+    draft) on the answers of ``batches`` (`TTTBatch`es: packed answers with the policy's taps and
+    logits); tau = tokens / steps."""
     total_steps, total_tokens = 0.0, 0
     for batch in batches:
-        batch: TTTBatch
         steps = ttt_steps(draft, batch, gamma)
         logits, _ = unroll(draft, steps, batch.cu_seqlens)
         accept = accept_given_token(logits, steps.targets_JTV, batch.tokens, temperature,

@@ -121,7 +121,8 @@ def rejection_posterior(draft_logits_NV: Tensor, policy_logits_NV: Tensor, next_
         y = _acc(policy_logits_NV.detach()) / t
         p_col = col if vocab_ids is not None and _compressed(policy_logits_NV, vocab_ids) else next_N
         log_p_x = y.gather(-1, p_col[:, None])[:, 0] - y.logsumexp(-1)
-        posterior = torch.where(log_p_x > -float("inf"), (1 - (log_q_x - log_p_x).exp()).clamp(min=0), 0.0)
+        residual_share = (1 - (log_q_x - log_p_x).exp()).clamp(min=0)
+        posterior = torch.where(log_p_x > -float("inf"), residual_share, 0.0)
         return torch.where(on_head, posterior, 1.0)
 
 

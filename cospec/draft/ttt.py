@@ -212,8 +212,8 @@ def anchor_weights(first_logits_TV: Tensor, steps: TTTSteps, cu_seqlens: Tensor,
     weighed (the exact P(anchor at t) is `cospec.draft.expected_accept_length`'s chain). Measured
     on SmolLM2, teacher-forced, a draft is accepted at 0.63-0.66 where real drafting started
     against 0.75-0.77 elsewhere (docs/results/real_model.md): uniform weights train the draft
-    least where it is used most. Sequence starts and prompt tokens keep weight 1; so, approximately, does the
-    first response token (always an anchor in decoding).
+    least where it is used most. Sequence starts and prompt tokens keep weight 1; so,
+    approximately, does the first response token (always an anchor in decoding).
     """
     posterior = rejection_posterior(first_logits_TV[:-1], steps.targets_JTV[0][:-1],
                                     steps.tokens_JT[0][1:], temperature, vocab_ids)
@@ -263,7 +263,8 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         else:  # the loss weighted by anchor, the metrics as they are
             wm = weights * mask
             w_count = (wm.sum() if total_count is None else total_count(wm.sum())).clamp(min=1e-6)
-            total = total + decay ** j * (((1 - tv_weight) * ce_t + tv_weight * tv_t) * wm).sum() / w_count
+            mix_t = (1 - tv_weight) * ce_t + tv_weight * tv_t
+            total = total + decay ** j * (mix_t * wm).sum() / w_count
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())
         metrics["acceptance"].append(1 - metrics["tv"][-1])
