@@ -10,12 +10,13 @@ per-token losses.
 
 import pytest
 import torch
+from ttt_answers import packed_answers
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.cotrain import cotrain_draft
 from cospec.draft.losses import compress_to_head, rejection_posterior, soft_cross_entropy, total_variation
 from cospec.draft.offline import build_draft, fit_draft
-from cospec.draft.ttt import TTTBatch, ttt_loss, ttt_loss_on_steps, ttt_steps, ttt_unroll
+from cospec.draft.ttt import ttt_loss, ttt_loss_on_steps, ttt_steps, ttt_unroll
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 
@@ -30,16 +31,7 @@ def policy():
 
 
 def packed_batch(policy, lengths, prompt_lengths):
-    gen = torch.Generator().manual_seed(3)
-    tokens = torch.randint(4, CFG.vocab_size, (sum(lengths),), generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
-    mask = torch.ones(len(tokens))
-    for start, p in zip(cu[:-1].tolist(), prompt_lengths):
-        mask[start:start + p - 1] = 0  # position t is trained when token t + 1 is a response token
-    with torch.no_grad():
-        out = policy(tokens[None], cu_seqlens=cu, tap_layers=(1, 2, 3))
-    return TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask,
-                    taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
+    return packed_answers(policy, (1, 2, 3), lengths, prompt_lengths, seed=3)
 
 
 def residual_share_by_the_rule(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -12,13 +12,14 @@ import random
 
 import pytest
 import torch
+from ttt_answers import packed_answers
 
 from cospec.config import ModelConfig, resolve
 from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline import (build_draft, fit_draft, sample_responses, task_data,
                                   train_draft_offline)
 from cospec.draft.policy_outputs import policy_batches
-from cospec.draft.ttt import (TTTBatch, choose_sequences, entry_features, select_sequences, ttt_loss,
+from cospec.draft.ttt import (choose_sequences, entry_features, select_sequences, ttt_loss,
                               ttt_steps, ttt_unroll)
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
@@ -54,13 +55,8 @@ def test_draft_feature_of_the_wrong_width_is_a_clear_error(policy):
 
 
 def packed_batch(policy, draft, lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(4, CFG.vocab_size, (sum(lengths),), generator=gen)
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)))
-    with torch.no_grad():
-        out = policy(tokens[None], cu_seqlens=cu, tap_layers=draft.tap_layers)
-    return TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=torch.ones(len(tokens)),
-                    taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
+    """Random answers, every entry trained (each answer's prompt is its first token)."""
+    return packed_answers(policy, draft.tap_layers, lengths, [1] * len(lengths), seed=seed)
 
 
 @torch.no_grad()

@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from ttt_answers import packed_answers
 
 from cospec.config import ModelConfig, SamplingConfig, resolve
 from cospec.draft.expected_accept_length import accept_given_token, expected_steps
@@ -143,19 +144,6 @@ def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(h
     assert expected == pytest.approx(result.stats.row_steps, rel=0.03)
 
 
-def _tiny_batch(policy, draft, lengths, prompt_lengths):
-    gen = torch.Generator().manual_seed(5)
-    tokens = torch.randint(4, CFG.vocab_size, (sum(lengths),), generator=gen)
-    cu = torch.tensor([0] + lengths).cumsum(0)
-    mask = torch.zeros(len(tokens))
-    for start, end, p in zip(cu[:-1].tolist(), cu[1:].tolist(), prompt_lengths):
-        mask[start + p - 1:end] = 1
-    with torch.no_grad():
-        out = policy(tokens[None], cu_seqlens=cu, tap_layers=draft.tap_layers)
-    return TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask,
-                    taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
-
-
 def test_step_j_at_anchor_a_judges_the_answers_token_a_plus_j_plus_1_with_a_reduced_head():
     """The alignment, entry by entry: step j + 1's logits at anchor a against p at a + j and the
     token s_{a+j+1}, for compressed targets as the offline data keeps them."""
@@ -163,7 +151,7 @@ def test_step_j_at_anchor_a_judges_the_answers_token_a_plus_j_plus_1_with_a_redu
     policy = Transformer(CFG).eval()
     ids = torch.tensor([0, 2, 4, 5, 7, 9, 11, 12, 15, 16, 20, 23])
     draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2), vocab_ids=ids).eval()
-    batch = _tiny_batch(policy, draft, [10, 7], [3, 4])
+    batch = packed_answers(policy, draft.tap_layers, [10, 7], [3, 4], seed=5)
     batch.policy_logits = compress_to_head(batch.policy_logits, ids, 0.7)
     with torch.no_grad():
         steps = ttt_steps(draft, batch, 3)
@@ -183,7 +171,7 @@ def test_held_out_metrics_report_the_expected_tau_for_temperature_sampling_only(
     torch.manual_seed(4)
     policy = Transformer(CFG).eval()
     draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2)).eval()
-    batch = _tiny_batch(policy, draft, [12, 9], [4, 3])
+    batch = packed_answers(policy, draft.tap_layers, [12, 9], [4, 3], seed=5)
     cfg = resolve("tiny", overrides=["rollout.gamma=3", "sampling.temperature=0.7"])
     m = held_out_metrics(draft, [batch], cfg)
     with torch.no_grad():
