@@ -27,6 +27,7 @@ from cospec.config import resolve
 from cospec.data.prompts import TaskData
 from cospec.draft.expected_accept_length import expected_accept_length
 from cospec.draft.policy_outputs import policy_batches
+from cospec.draft.ttt import entry_features
 from cospec.models.draft_checkpoint import load_draft
 from cospec.models.loading import with_checkpoint_model
 from cospec.rollout.drafter import make_drafter
@@ -87,9 +88,9 @@ def main(draft_dir: str, seed: int) -> None:
     def teacher_forced(tokens: torch.Tensor) -> torch.Tensor:
         """sum_x min(p, q) at every entry of ``tokens`` (entry i predicts token i + 1)."""
         out = policy(tokens[None], tap_layers=draft.tap_layers)
-        feats = drafter.features(out.taps)
-        feats = torch.cat([torch.zeros_like(feats[:, :1]), feats[:, :-1]], 1)  # entry i: position i - 1
-        logits, _ = drafter(drafter.new_cache(1, len(tokens) + 8), tokens[None], drafter.project(feats), None)
+        feats = entry_features(draft, {k: v[0] for k, v in out.taps.items()},
+                               torch.tensor([0, len(tokens)]))  # entry i: position i - 1
+        logits, _ = drafter(drafter.new_cache(1, len(tokens) + 8), tokens[None], feats[None], None)
         q = probs_from_logits(logits[0], t, 0, 1.0)
         p = probs_from_logits(out.logits[0], t, 0, 1.0)[:, ids]
         return torch.minimum(p, q).sum(-1)
