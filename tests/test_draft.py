@@ -292,9 +292,16 @@ def test_a_reduced_head_keeps_its_logits_and_a_bucket_and_trains_as_on_the_whole
     trainer.train_policy(batch)
     assert len(whole) == len(trainer._draft_data) == cfg.grpo.micro_steps
     for kept, logits in zip(trainer._draft_data, whole):
+        # the step's head ran at the response positions only; the rest, which no TTT loss
+        # reads, is kept as zeros
+        rows = kept.loss_mask > 0
         assert kept.policy_logits.shape == (len(kept.tokens), len(ids) + 1)
-        torch.testing.assert_close(kept.policy_logits, compress_to_head(logits, ids, 0.7))
-        on_whole = dataclasses.replace(kept, policy_logits=logits)
+        assert len(logits) == rows.sum() < len(rows)
+        torch.testing.assert_close(kept.policy_logits[rows], compress_to_head(logits, ids, 0.7))
+        assert not kept.policy_logits[~rows].any()
+        full = logits.new_zeros(len(rows), logits.shape[-1])
+        full[rows] = logits
+        on_whole = dataclasses.replace(kept, policy_logits=full)
         results = []
         for b in (kept, on_whole):
             draft.zero_grad(set_to_none=True)

@@ -111,6 +111,49 @@ def test_without_the_kl_log_the_step_skips_the_reference_and_updates_the_policy_
     assert a["loss"] == b["loss"]
 
 
+@pytest.mark.parametrize("reduced_head", [False, True], ids=["full-head-draft", "8-id-head-draft"])
+def test_the_step_runs_the_head_at_the_response_positions_and_updates_as_the_full_head_would(
+        reduced_head):
+    """`LocalPolicyStep` computes logits only where the loss reads them (a prompt's positions
+    predict prompt tokens). Oracle: the same loss from the logits of every position, by the
+    minibatch terms without picked rows. Same statistics, same update (a KL penalty, so the
+    reference's logits count too), and the draft's captured targets are the full logits' at the
+    response positions (zeros where the TTT losses never read)."""
+    from cospec.draft.losses import draft_targets
+    from cospec.rl.policy_step import LocalPolicyStep, PolicyMinibatch, minibatch_terms
+
+    torch.manual_seed(0)
+    cfg = tiny_cfg().model
+    policy = Transformer(cfg)
+    policy.reset_parameters(std=0.1)
+    reference = copy.deepcopy(policy).requires_grad_(False)
+    comps = [Completion(index=i, prompt=list(range(3, 3 + p)),
+                        tokens=torch.randint(3, 40, (n,)).tolist(), logprobs=(-torch.rand(n)).tolist())
+             for i, (p, n) in enumerate([(6, 4), (9, 7), (3, 1)])]
+    mb = PolicyMinibatch.from_rollouts(comps, torch.tensor([0.7, -1.2, 0.4]), [0, 1, 2])
+    keep = draft_targets(torch.tensor([3, 5, 8, 13, 21, 34, 40, 41]) if reduced_head else None, 0.8)
+    kw = dict(temperature=0.8, clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+    oracle = copy.deepcopy(policy)
+    opt_o = torch.optim.AdamW(oracle.parameters(), lr=1e-2, fused=True)
+    out = oracle(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=(0, 1))
+    ref = reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
+    loss, want_sums = minibatch_terms(out.logits[0], ref, mb, **kw)
+    loss.backward()
+    opt_o.step()
+    step = LocalPolicyStep(policy, reference, torch.optim.AdamW(policy.parameters(), lr=1e-2,
+                                                                fused=True),
+                           grad_clip=0.0, draft_targets=keep, **kw)
+    sums, _, (captured,) = step(mb, tap_layers=(0, 1))
+    torch.testing.assert_close(sums, want_sums)
+    for (name, a), b in zip(policy.named_parameters(), oracle.parameters()):
+        torch.testing.assert_close(a, b, msg=name)
+    rows = mb.loss_mask > 0
+    assert 0 < rows.sum() < len(rows)  # prompts and responses both present
+    want = keep(out.logits[0].detach())
+    torch.testing.assert_close(captured.policy_logits[rows], want[rows])
+    assert not captured.policy_logits[~rows].any()
+
+
 def test_a_bf16_autocast_policy_step_keeps_fp32_weights_and_matches_the_fp32_step(tmp_path):
     """grpo.autocast=bfloat16: the forwards run in bf16 (AMX on CPU), weights and optimizer state
     stay fp32; on the same batch the loss and the update agree with the fp32 step to bf16 precision

@@ -69,6 +69,24 @@ def test_logits_at_one_position_per_row_are_the_full_forwards_logits_there(model
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
 
 
+def test_logits_at_some_positions_of_a_packed_row_give_the_full_forwards_values_and_gradients(model):
+    """What the GRPO step asks for: the head at the response positions only. Its loss there and
+    that loss's gradients equal the full forward's, which computed the head everywhere."""
+    x, cu = rand_tokens(1, 12, seed=3), torch.tensor([0, 5, 12])
+    at = torch.tensor([2, 3, 4, 8, 9, 10])
+    full = model(x, cu_seqlens=cu).logits[0, at]
+    full.float().logsumexp(-1).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    picked = model(x, cu_seqlens=cu, logits_positions_B=at[None]).logits
+    assert picked.shape == (1, len(at), CFG.vocab_size)
+    torch.testing.assert_close(picked[0], full.detach())
+    picked.float().logsumexp(-1).sum().backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], msg=n)
+    model.zero_grad(set_to_none=True)
+
+
 def test_tap_layers_come_from_the_same_pass_and_are_detached_unless_asked(model):
     x = rand_tokens(1, 9, seed=6)
     out = model(x, tap_layers=(0, 2))

@@ -32,10 +32,13 @@ from cospec.rl.policy_step import PolicyMinibatch, minibatch_terms
 
 
 def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: float,
-                stage: int = 0, num_stages: int = 1, autocast: bool = False) -> int:
+                stage: int = 0, num_stages: int = 1, autocast: bool = False,
+                prompts: list[int] | None = None) -> int:
     """Bytes saved for backward by a forward of packed sequences of ``lengths`` through pipeline
     stage ``stage`` of ``num_stages`` (the embedding's on the first, the GRPO loss on the last),
-    under bf16 autocast with ``autocast`` (its weight copies are saved tensors too)."""
+    under bf16 autocast with ``autocast`` (its weight copies are saved tensors too). With
+    ``prompts`` (the first prompts[i] positions of sequence i are its prompt's), the head and
+    the loss run at the response positions only, as the single-process step runs them."""
     torch.manual_seed(0)
     model = Transformer(cfg)
     first, last = stage == 0, stage == num_stages - 1
@@ -56,38 +59,48 @@ def saved_bytes(cfg: ModelConfig, lengths: list[int], *, kl: bool, temperature: 
     tokens = torch.randint(4, cfg.vocab_size, (T,))
     targets = torch.randint(4, cfg.vocab_size, (T,))  # a storage of their own, as in training
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    mb = PolicyMinibatch(tokens=tokens, targets=targets, cu_seqlens=cu, loss_mask=torch.ones(T),
+    mask = torch.ones(T)
+    for start, n in zip(cu[:-1].tolist(), prompts or []):
+        mask[start:start + n] = 0
+    mb = PolicyMinibatch(tokens=tokens, targets=targets, cu_seqlens=cu, loss_mask=mask,
                          old_logprobs=torch.zeros(T), advantages=torch.ones(T), num_tokens=T)
+    rows = mb.response_positions() if prompts else None
+    at = dict(logits_positions_B=rows[None]) if prompts else {}
     with torch.no_grad():
-        ref = model(tokens[None], cu_seqlens=cu).logits[0] if kl else None
+        ref = model(tokens[None], cu_seqlens=cu, **at).logits[0] if kl else None
     hidden = torch.randn(1, T, cfg.hidden_size, requires_grad=True)  # from the stage before
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), \
             torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = part(tokens[None], cu_seqlens=cu) if first else part(None, inputs_embeds=hidden,
-                                                                   cu_seqlens=cu)
+        out = part(tokens[None], cu_seqlens=cu, **at) if first else part(
+            None, inputs_embeds=hidden, cu_seqlens=cu, **at)
         if last:
             minibatch_terms(out.logits[0], ref, mb, temperature=temperature, clip_low=0.2,
-                            clip_high=0.2, kl_coef=0.05 if kl else 0.0)
+                            clip_high=0.2, kl_coef=0.05 if kl else 0.0, rows=rows)
     return sum(saved.values())
 
 
 @pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
-@pytest.mark.parametrize("shape,lengths,kl,temperature", [
+@pytest.mark.parametrize("shape,lengths,kl,temperature,prompts", [
     (dict(hidden_size=64, num_heads=4, num_kv_heads=2, intermediate_size=128, vocab_size=50),
-     [64, 64, 64, 64], True, 1.0),
+     [64, 64, 64, 64], True, 1.0, None),
     (dict(hidden_size=128, num_heads=8, num_kv_heads=8, intermediate_size=352, vocab_size=300),
-     [128, 128], False, 1.0),
+     [128, 128], False, 1.0, None),
     (dict(hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=256, vocab_size=120,
-          num_layers=3), [90, 40, 10, 60], True, 0.7),  # ragged: the attention's padded layout
+          num_layers=3), [90, 40, 10, 60], True, 0.7, None),  # ragged: the padded layout
+    (dict(hidden_size=96, num_heads=6, num_kv_heads=2, intermediate_size=256, vocab_size=120),
+     [90, 40, 10, 60], True, 0.7, [30, 12, 4, 45]),  # the head at the responses only
 ])
 def test_the_activation_formula_is_what_the_model_saves_for_backward(shape, lengths, kl,
-                                                                     temperature, autocast):
+                                                                     temperature, prompts,
+                                                                     autocast):
     """In fp32, and under bf16 autocast (the matmuls' inputs and autocast's weight copies in
-    bf16, the norms and the loss in fp32)."""
+    bf16, the norms and the loss in fp32, and on a CPU the attention in fp32 too)."""
     cfg = ModelConfig(**{"num_layers": 2, "max_seq_len": 256, **shape})
+    head = None if prompts is None else sum(lengths) - sum(prompts)
     formula = activation_bytes(cfg, lengths, layers=cfg.num_layers, first=True, last=True,
-                               kl=kl, autocast=autocast)
-    measured = saved_bytes(cfg, lengths, kl=kl, temperature=temperature, autocast=autocast)
+                               kl=kl, autocast=autocast, attention_fp32=autocast, head_tokens=head)
+    measured = saved_bytes(cfg, lengths, kl=kl, temperature=temperature, autocast=autocast,
+                           prompts=prompts)
     assert formula == measured
 
 
@@ -101,7 +114,8 @@ def test_each_pipeline_stage_saves_what_the_formula_gives_it(stage, autocast):
     lengths = [50, 20, 35]
     layers = split_layers(cfg.num_layers, 3)[stage]
     formula = activation_bytes(cfg, lengths, layers=len(layers), first=stage == 0,
-                               last=stage == 2, kl=True, autocast=autocast)
+                               last=stage == 2, kl=True, autocast=autocast,
+                               attention_fp32=autocast)
     measured = saved_bytes(cfg, lengths, kl=True, temperature=1.0, stage=stage, num_stages=3,
                            autocast=autocast)
     assert formula == measured
@@ -319,8 +333,10 @@ def _counting_run(rank, world, out_dir, layout):
     mine = [len(c.prompt) + len(c.tokens) - 1 for c in shared.completions]  # trained positions
     lengths = [0] * (cfg.grpo.prompts_per_step * cfg.grpo.group_size)  # other replicas' unused
     lengths[shared.first:shared.first + len(mine)] = mine
+    responses = [0] * len(lengths)  # the positions the head runs at where the step picks them
+    responses[shared.first:shared.first + len(mine)] = [len(c.tokens) for c in shared.completions]
     activations = {"measured": saved.peak_bytes, "planned": activation_peak_bytes(
-        cfg, lengths, stage=group.stage, replica=group.dp_rank)}
+        cfg, lengths, stage=group.stage, replica=group.dp_rank, responses=responses)}
     # the plan of this replica's rollouts: their own lengths when it is the only replica, else
     # their mean; the peak's plan takes every replica's (the plan's figure is the largest's)
     kind = {"lengths": lengths} if group.dp == 1 else {"context": sum(mine) / len(mine)}

@@ -207,7 +207,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
     {"step", metric: per-TTT-step values}) and train_seconds (resumed runs included)."""
     d, device = cfg.draft, next(draft.parameters()).device
     opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
-                            weight_decay=0.0)
+                            weight_decay=0.0, fused=True)
     order = random.Random(d.seed)
     history, held_out, last, start, seconds_before = [], [], {}, 0, 0.0
     if state is not None:

@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from cospec.models.precision import autocast_off
+
 
 @dataclass
 class AttentionLayout:
@@ -39,21 +41,51 @@ class AttentionLayout:
     cu_seqlens: Tensor | None = None
     _memo: dict = field(default_factory=dict, repr=False)
 
-    def padded_index(self) -> tuple[Tensor, Tensor, int]:
-        """For packed input: (gather_NL, scatter_T, L), computed once per forward and shared by all
-        layers. gather_NL[n, l] is the packed index of token l of sequence n (clamped past its end);
-        scatter_T[t] is where packed token t sits in the flattened [N * L] padded layout."""
+    def padded_index(self) -> tuple[Tensor, int, int]:
+        """For packed input: (scatter_T, N, L), computed once per forward and shared by all
+        layers: scatter_T[t] is where packed token t sits in the flattened [N * L] padded layout
+        of N sequences of up to L tokens."""
         if "padded" not in self._memo:
             cu = self.cu_seqlens
             lens = cu[1:] - cu[:-1]
             L = int(lens.max())  # device sync, once per forward
-            offs = torch.arange(L, device=cu.device)
-            gather_NL = torch.minimum(cu[:-1, None] + offs[None, :], (cu[1:] - 1).clamp(min=0)[:, None])
-            total = int(cu[-1])
-            t = torch.arange(total, device=cu.device)
+            t = torch.arange(int(cu[-1]), device=cu.device)
             seq = torch.bucketize(t, cu[1:], right=True)
-            self._memo["padded"] = (gather_NL, seq * L + (t - cu[seq]), L)
+            self._memo["padded"] = (seq * L + (t - cu[seq]), len(lens), L)
         return self._memo["padded"]
+
+    # A copy into zeros and index_select rather than advanced indexing: their backwards are a
+    # gather and a scatter-add over distinct slots, where indexing's is an accumulating
+    # index_put, ~4.5x dearer on a CPU (SmolLM2's q, 8 sequences: 5.8 against 1.3 ms to unpack,
+    # pack and back).
+    def to_padded(self, x_HTD: Tensor) -> Tensor:
+        """[H, T, D] packed -> [N, H, L, D], zeros past each sequence's end."""
+        scatter_T, N, L = self.padded_index()
+        H, _, D = x_HTD.shape
+        return _IntoSlots.apply(x_HTD, scatter_T, N * L).view(H, N, L, D).transpose(0, 1)
+
+    def from_padded(self, x_NHL: Tensor) -> Tensor:
+        """[N, H, L, ...] padded -> [H, T, ...] packed (the padding dropped)."""
+        scatter_T, N, L = self.padded_index()
+        x = x_NHL.transpose(0, 1)
+        return x.reshape(x.shape[0], N * L, *x.shape[3:]).index_select(1, scatter_T)
+
+
+class _IntoSlots(torch.autograd.Function):
+    """[H, T, D] -> [H, S, D] with token t at slot slots_T[t] (distinct) and zeros elsewhere; its
+    backward gathers the slots back. Written out because torch's own index_copy saves its
+    source for backward (one more copy of q, k and v per layer); this saves only the slots."""
+
+    @staticmethod
+    def forward(ctx, x_HTD: Tensor, slots_T: Tensor, num_slots: int) -> Tensor:
+        ctx.save_for_backward(slots_T)
+        H, _, D = x_HTD.shape
+        return x_HTD.new_zeros(H, num_slots, D).index_copy_(1, slots_T, x_HTD)
+
+    @staticmethod
+    def backward(ctx, grad_HSD: Tensor):
+        (slots_T,) = ctx.saved_tensors
+        return grad_HSD.index_select(1, slots_T), None, None
 
 
 class AttentionFn(Protocol):
@@ -92,19 +124,21 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> 
         return F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=gqa)
     if layout.cu_seqlens is None:
         raise ValueError("attention layout needs a mask or cu_seqlens")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
+        # Training under bf16 autocast on a CPU: torch's fused CPU attention backward costs
+        # ~4.7x in bf16 what it costs in fp32 (SmolLM2's shapes, 8 sequences of ~130 tokens:
+        # 19.9 against 4.2 ms a layer, torch 2.13 on a Xeon with AMX), 40% of the policy
+        # step's backward. In fp32 it is also the more exact one; forwards without gradient
+        # (prefill, the draft's data) keep bf16, which is faster there.
+        with autocast_off(q.device):
+            return sdpa_attention(q.float(), k.float(), v.float(), layout).to(q.dtype)
     # Packed: unpack to a padded [N, H, L, D] batch and run plain causal attention, O(N L^2) instead
     # of the O(T^2) of a block-diagonal mask over the packed row (T = N * mean length). Padding sits
     # after each sequence's last token, so the causal mask alone keeps valid queries off it.
-    gather_NL, scatter_T, L = layout.padded_index()
-    N = gather_NL.shape[0]
-
-    def unpack(x_1HTD: Tensor) -> Tensor:
-        return x_1HTD[0][:, gather_NL].transpose(0, 1)  # [H, N, L, D] -> [N, H, L, D]
-
-    out_NHLD = F.scaled_dot_product_attention(unpack(q), unpack(k), unpack(v), is_causal=True,
+    q_NHLD, k_NHLD, v_NHLD = (layout.to_padded(x[0]) for x in (q, k, v))
+    out_NHLD = F.scaled_dot_product_attention(q_NHLD, k_NHLD, v_NHLD, is_causal=True,
                                               enable_gqa=gqa)
-    out_HTD = out_NHLD.transpose(0, 1).reshape(q.shape[1], N * L, -1)[:, scatter_T]
-    return out_HTD[None]
+    return layout.from_padded(out_NHLD)[None]
 
 
 AttentionCallable = Callable[[Tensor, Tensor, Tensor, AttentionLayout], Tensor]

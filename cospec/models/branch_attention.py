@@ -50,19 +50,17 @@ def trunk_attention(q_HTD: Tensor, k_HkvTD: Tensor, v_HkvTD: Tensor, cu_seqlens:
     """Causal attention within each packed sequence; returns (out fp32 [H, T, D], lse fp32 [H, T])."""
     H, T, D = q_HTD.shape
     scale = 1.0 / math.sqrt(D) if scale is None else scale
-    gather_NL, scatter_T, L = AttentionLayout(cu_seqlens=cu_seqlens).padded_index()
-    N = gather_NL.shape[0]
-    q = _acc(q_HTD)[:, gather_NL].transpose(0, 1)  # [N, H, L, D]
-    k = _expand_kv(_acc(k_HkvTD), H)[:, gather_NL].transpose(0, 1)
-    v = _expand_kv(_acc(v_HkvTD), H)[:, gather_NL].transpose(0, 1)
+    layout = AttentionLayout(cu_seqlens=cu_seqlens)
+    q = layout.to_padded(_acc(q_HTD))  # [N, H, L, D], zeros past each sequence's end
+    k = layout.to_padded(_expand_kv(_acc(k_HkvTD), H))
+    v = layout.to_padded(_expand_kv(_acc(v_HkvTD), H))
+    L = q.shape[2]
     scores = (q @ k.transpose(-1, -2)) * scale  # [N, H, L, L]
     causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
     scores = scores.masked_fill(~causal, float("-inf"))
     lse = scores.logsumexp(-1)  # [N, H, L]; the diagonal is always visible, so finite
     out = (scores - lse[..., None]).exp() @ v  # [N, H, L, D]
-    out_HTD = out.transpose(0, 1).reshape(H, N * L, D)[:, scatter_T]
-    lse_HT = lse.transpose(0, 1).reshape(H, N * L)[:, scatter_T]
-    return out_HTD, lse_HT
+    return layout.from_padded(out), layout.from_padded(lse)
 
 
 @outside_autocast

@@ -261,7 +261,8 @@ class Transformer(nn.Module):
         logits_positions_B: int [B], the one position of each row whose logits are wanted (a
             prefill samples only after the prompt's last token): logits are then [B, 1, V], and
             the head's cost (N x T x V, the largest matmul of a 49K-vocabulary prefill) drops to
-            N x V. None: every position.
+            N x V. Or int [B, K], K positions of each row (the policy step wants its response
+            positions only, `cospec.rl.policy_step`): logits [B, K, V]. None: every position.
         """
         x = self.embed_tokens(tokens_BT) if inputs_embeds is None else inputs_embeds
         ctx, cos, sin = forward_context(self.config, x, cu_seqlens=cu_seqlens,
@@ -278,8 +279,10 @@ class Transformer(nn.Module):
                 taps[int(lid)] = x.detach() if detach_taps else x
         if kv_cache is not None:
             kv_cache.advance(x.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
-        head_in = x if logits_positions_B is None else \
-            x[torch.arange(x.shape[0], device=x.device), logits_positions_B][:, None]
+        head_in = x
+        if logits_positions_B is not None:
+            at_BK = logits_positions_B if logits_positions_B.dim() == 2 else logits_positions_B[:, None]
+            head_in = x[torch.arange(x.shape[0], device=x.device)[:, None], at_BK]
         logits = self.lm_head(self.norm(head_in)) if self.lm_head is not None else None
         if logits is not None and self.sampled_vocab_size is not None \
                 and self.sampled_vocab_size < logits.shape[-1]:

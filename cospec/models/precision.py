@@ -65,14 +65,18 @@ def cpu_lacks_bf16_matmul() -> bool:
     return None not in checks and not any(check() for check in checks)
 
 
+def runs_on_cpu(cfg: RunConfig) -> bool:
+    """Whether the run's device is the CPU (device cpu, or auto on a machine without CUDA)."""
+    return cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
+
+
 def slow_bf16_warnings(cfg: RunConfig) -> list[str]:
     """A warning naming the run's fields set to bfloat16 when it runs on a CPU without bf16
     matmul units, with the overrides that turn them off; else none."""
     fields = {"model.dtype": cfg.model.dtype, "rollout.dtype": cfg.rollout.dtype,
               "grpo.autocast": cfg.grpo.autocast, "draft.autocast": cfg.draft.autocast}
     slow = [name for name, dtype in fields.items() if dtype == "bfloat16"]
-    on_cpu = cfg.device == "cpu" or (cfg.device == "auto" and not torch.cuda.is_available())
-    if not slow or not on_cpu or not cpu_lacks_bf16_matmul():
+    if not slow or not runs_on_cpu(cfg) or not cpu_lacks_bf16_matmul():
         return []
     off = " ".join(f"{n}=float32" if n.endswith("dtype") else f"{n}=" for n in slow)
     return [f"{', '.join(slow)} = bfloat16, but this CPU has no bf16 matmul units (no AVX512-BF16 "

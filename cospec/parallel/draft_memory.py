@@ -16,7 +16,7 @@ Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
 - cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J Vk per token,
   and what the TTT unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss
   save, counted with saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
-      (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N Lmax + 2 N H Lmax^2 + Lmax^2 / 4
+      (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N H Lmax^2 + Lmax^2 / 4
   (the trunk attention's dense scores, 2 N H Lmax^2, grow with the square of the sequence), plus
   for j >= 1 the branch keys (2 j + 3) H D T + (2 j + 4) H T, and once (k C + C + 2 J + 2) T.
   Under cp each rank holds the whole share's targets and trains on its zigzag shard of T / cp
@@ -31,7 +31,7 @@ positions, L = draft.block_layers layers) saves, counted the same way (tests/tes
 - per layer: the context's keys and values (2 C + 1) T, and the G positions through the layer at
   once, (7 C + 4 I + 2 + H D) G T (H D: the queries, kept whole for the G attention calls);
 - per layer and block position i = 0..G-1, the attention over the context (trunk) and the block's
-  keys 0..i (branch): dense, 2 N Lm + 3 N H Lm D + 2 N H Lm^2 + Lm^2 / 4 + N H Lm + 2 T
+  keys 0..i (branch): dense, 3 N H Lm D + 2 N H Lm^2 + Lm^2 / 4 + N H Lm + 2 T
   + (2 i + 4) H D T + (2 i + 6) H T; under cp (the ring, on a rank's shard), (2 Hkv D + H + H D) T
   per position and 2 G Hkv D T per layer (the block's keys and values, rank-local);
 - per block position: the head and the loss (2 C + 4 Vd + 2) T + 1, the sequential correction
@@ -61,7 +61,7 @@ def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longe
         if ring:  # the ring's q, K/V, output and log-sum-exp; the branch keys and values
             floats += (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
         else:  # the dense trunk attention, and the branch
-            floats += 3 * N * H * L * D + N * H * L + 2 * N * L + 2 * N * H * L * L + L * L / 4
+            floats += 3 * N * H * L * D + N * H * L + 2 * N * H * L * L + L * L / 4
             if j:
                 floats += (2 * j + 3) * H * D * T + (2 * j + 4) * H * T
     return floats
@@ -81,7 +81,7 @@ def block_activation_floats(d: ModelConfig, tokens: float, sequences: float, lon
     if ring:
         per_layer += 2 * G * Hkv * D * T + G * (2 * Hkv * D + H + H * D) * T
     else:  # summed over i: sum (2 i + 4) = G (G + 3), sum (2 i + 6) = G (G + 5)
-        per_layer += G * (2 * N * Lm + 3 * N * H * Lm * D + 2 * N * H * Lm * Lm + Lm * Lm / 4
+        per_layer += G * (3 * N * H * Lm * D + 2 * N * H * Lm * Lm + Lm * Lm / 4
                           + N * H * Lm + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
     floats += Lyr * per_layer
     per_position = (2 * C + 4 * Vd + 2) * T + 1

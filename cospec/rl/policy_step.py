@@ -71,6 +71,12 @@ class PolicyMinibatch:
     def num_sequences(self) -> int:
         return len(self.cu_seqlens) - 1
 
+    def response_positions(self) -> Tensor:
+        """long [K]: the positions whose logits the loss reads (loss_mask 1: they predict a
+        response token). On a chat prompt of ~70 tokens and answers of ~60 they are under half
+        of the row, and the head over a 49K vocabulary is the largest matmul of the forward."""
+        return self.loss_mask.nonzero()[:, 0]
+
     def to(self, device) -> "PolicyMinibatch":
         return PolicyMinibatch(**{k: v.to(device) if isinstance(v, Tensor) else v
                                   for k, v in self.__dict__.items()})
@@ -93,14 +99,20 @@ class PolicyMinibatch:
 
 def minibatch_terms(logits_TV: Tensor, ref_logits_TV: Tensor | None, mb: PolicyMinibatch, *,
                     temperature: float, clip_low: float, clip_high: float,
-                    kl_coef: float) -> tuple[Tensor, Tensor]:
+                    kl_coef: float, rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(loss, sums [K] in the order of `SUMS`) of the tokens of ``mb`` (or of a piece of it).
 
     loss = GRPO's clipped token-level loss (`grpo.clipped_policy_loss`) divided by mb.num_tokens;
     with a KL penalty the exact KL to the reference is part of it (gradient through logits),
     without it is only summed for the log. mismatch_*: |logp - old| and exp|logp - old| summed
     (trainer vs rollout engine; meaningful before the step's first update).
+    rows: the positions of ``mb`` that the logits' rows are of (`response_positions`); None:
+    every position, in order.
     """
+    if rows is not None:
+        mb = PolicyMinibatch(tokens=mb.tokens, targets=mb.targets[rows], cu_seqlens=mb.cu_seqlens,
+                             loss_mask=mb.loss_mask[rows], old_logprobs=mb.old_logprobs[rows],
+                             advantages=mb.advantages[rows], num_tokens=mb.num_tokens)
     m = mb.loss_mask
     logp = grpo.token_logprobs(logits_TV, mb.targets, temperature)
     if ref_logits_TV is None:  # no reference forward (grpo.log_kl=false): the KL is not measured
@@ -176,23 +188,35 @@ class LocalPolicyStep:
                  sequences=None) -> tuple[Tensor, float, list[TTTBatch]]:
         device = next(self.policy.parameters()).device
         mb = mb.to(device)
+        rows = mb.response_positions()  # the head runs there only: nothing else is read
         with autocast(self.autocast, device):
-            out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers)
+            out = self.policy(mb.tokens[None], cu_seqlens=mb.cu_seqlens, tap_layers=tap_layers,
+                              logits_positions_B=rows[None])
             ref_logits = None
             if self.reference is not None:
                 with torch.no_grad():
-                    ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens).logits[0]
-            loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, **self.loss_kwargs)
+                    ref_logits = self.reference(mb.tokens[None], cu_seqlens=mb.cu_seqlens,
+                                                logits_positions_B=rows[None]).logits[0]
+            loss, sums = minibatch_terms(out.logits[0], ref_logits, mb, rows=rows,
+                                         **self.loss_kwargs)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm(self.policy.parameters(),
                                                                   self.grad_clip))
         captured = []
         if tap_layers:
-            kept = select_sequences(TTTBatch(
+            captured.append(select_sequences(TTTBatch(
                 tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
                 taps={k: v[0] for k, v in out.taps.items()},
-                policy_logits=out.logits[0].detach()), sequences)
-            kept.policy_logits = self.draft_targets(kept.policy_logits)
-            captured.append(kept)
+                policy_logits=self._draft_targets_at(out.logits[0].detach(), rows, len(mb.tokens))),
+                sequences))
         return sums, grad_norm, captured
+
+    def _draft_targets_at(self, logits_KV: Tensor, rows: Tensor, total: int) -> Tensor:
+        """[T, V'] the draft's targets laid out like the packed tokens: ``draft_targets`` of the
+        response positions' logits, zeros elsewhere. The TTT losses read only positions whose
+        loss_mask is 1 (`cospec.draft.ttt`), which are exactly ``rows``."""
+        kept = self.draft_targets(logits_KV)
+        out = kept.new_zeros(total, kept.shape[-1])
+        out[rows] = kept
+        return out

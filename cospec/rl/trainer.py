@@ -117,7 +117,7 @@ class GRPOTrainer:
         if cotrains:  # after the layout: under dp the draft's parameters are FSDP2 shards now
             self.draft_optimizer = torch.optim.AdamW(
                 [p for p in draft.parameters() if p.requires_grad], lr=cfg.draft.cotrain_lr,
-                betas=(0.9, 0.95), weight_decay=0.0)
+                betas=(0.9, 0.95), weight_decay=0.0, fused=True)
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
         self.engine = self._make_engine() if self.generates else None
         self.step = 0
