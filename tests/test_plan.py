@@ -224,8 +224,12 @@ def test_under_cp_each_rank_saves_the_ring_formula_for_its_shard(kind):
     else:
         formula = block_formula_bytes(cfg, draft, layout.num_local, lengths, steps=steps,
                                       ring=True)
-    for measured in spawn(_ttt_saved_on_a_cp_rank, 2, lengths, steps, overrides):
-        assert formula == pytest.approx(measured, rel=0.001)
+    # The losses run at the trained anchors only: the rank holding the sequences' end chunks
+    # (their last tokens, which a step past the end cannot train, and the padding) saves less;
+    # the formula is the other rank's, the peak.
+    measured = spawn(_ttt_saved_on_a_cp_rank, 2, lengths, steps, overrides)
+    assert formula == pytest.approx(max(measured), rel=0.001)
+    assert min(measured) < max(measured)
 
 
 def _local_bytes(tensors) -> int:

@@ -252,31 +252,36 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
     total = torch.zeros((), device=steps.tokens_JT.device)
     metrics = {"ce": [], "tv": [], "acceptance": []}
     for j, (lg, conf) in enumerate(zip(logits, confidence)):
+        # The losses at the trained anchors only (a masked mean): on the policy's chat prompts
+        # over half of the anchors are prompt tokens, and the vocabulary-wide softmaxes of CE
+        # and TV were most of a co-training update. index_select: its backward is a scatter-add.
+        rows = steps.mask_JT[j].nonzero()[:, 0]
         mask = steps.mask_JT[j].float()
         count = (mask.sum() if total_count is None else total_count(mask.sum())).clamp(min=1)
-        target, ids = steps.targets_JTV[j], draft.vocab_ids
-        tv_t = total_variation(lg, target, temperature, ids)
-        ce_t = soft_cross_entropy(lg, target, temperature, ids)
-        ce, tv = (ce_t * mask).sum() / count, (tv_t * mask).sum() / count
+        ids = draft.vocab_ids
+        lg_K, target_K = lg.index_select(0, rows), steps.targets_JTV[j].index_select(0, rows)
+        tv_t = total_variation(lg_K, target_K, temperature, ids)
+        ce_t = soft_cross_entropy(lg_K, target_K, temperature, ids)
+        ce, tv = ce_t.sum() / count, tv_t.sum() / count
         if weights is None:
             total = total + decay ** j * ((1 - tv_weight) * ce + tv_weight * tv)
         else:  # the loss weighted by anchor, the metrics as they are
             wm = weights * mask
             w_count = (wm.sum() if total_count is None else total_count(wm.sum())).clamp(min=1e-6)
             mix_t = (1 - tv_weight) * ce_t + tv_weight * tv_t
-            total = total + decay ** j * (mix_t * wm).sum() / w_count
+            total = total + decay ** j * (mix_t * wm[rows]).sum() / w_count
         metrics["ce"].append(ce.item())
         metrics["tv"].append(tv.item())
         metrics["acceptance"].append(1 - metrics["tv"][-1])
         if conf is not None:
             # The block draft's confidence head learns P(accept) = 1 - TV at this position (its
             # input is detached: this term trains the head alone).
-            conf = conf.to(tv_t.dtype)  # fp32, or fp64 like the TV (never down to fp32)
+            conf = conf.index_select(0, rows).to(tv_t.dtype)  # fp32, or fp64 like the TV
             accept = (1 - tv_t).detach().clamp(0, 1)
             with autocast_off(conf.device):  # CUDA's autocast refuses binary_cross_entropy
                 bce = torch.nn.functional.binary_cross_entropy(conf.clamp(1e-6, 1 - 1e-6), accept,
                                                                reduction="none")
-            total = total + (bce * mask).sum() / count
+            total = total + bce.sum() / count
             metrics.setdefault("confidence_error", []).append(
-                (((conf - accept).abs() * mask).sum() / count).item())
+                ((conf - accept).abs().sum() / count).item())
     return total, metrics

@@ -16,12 +16,16 @@ Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
 - cotrain: the draft's update on one minibatch's share: its TTT targets gathered, J Vk per token,
   and what the TTT unroll saves for backward (what `cospec.draft.ttt.ttt_unroll` and the loss
   save, counted with saved-tensor hooks; tests/test_plan.py checks it), per step j = 0..J-1:
-      (12 C + 4 I + 2 D + 4 Vd + 5) T + 3 N H Lmax D + N H Lmax + 2 N H Lmax^2 + Lmax^2 / 4
-  (the trunk attention's dense scores, 2 N H Lmax^2, grow with the square of the sequence), plus
+      (12 C + 4 I + 2 D + 4) T + (4 Vd + 2) K_j + 3 N H Lmax D + N H Lmax + 2 N H Lmax^2
+      + Lmax^2 / 4
+  (K_j = T - N j the anchors step j trains, counting every token as trained, an upper bound:
+  the losses run at the trained anchors only; the trunk attention's dense scores, 2 N H Lmax^2,
+  grow with the square of the sequence), plus
   for j >= 1 the branch keys (2 j + 3) H D T + (2 j + 4) H T, and once (k C + C + 2 J + 2) T.
   Under cp each rank holds the whole share's targets and trains on its zigzag shard of T / cp
   tokens (and padding) with ring attention, no dense scores: per step
-  (12 C + 4 I + 2 D + 4 Vd + 5 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T.
+  (12 C + 4 I + 2 D + 4 Vd + 6 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T
+  (K_j = T: the rank with the sequences' middle chunks trains all it holds).
   The largest minibatch's update sets the peak.
 
 The block draft (draft.kind=block, `cospec.draft.block_ttt.block_unroll`; G = draft.ttt_steps block
@@ -34,8 +38,9 @@ positions, L = draft.block_layers layers) saves, counted the same way (tests/tes
   keys 0..i (branch): dense, 3 N H Lm D + 2 N H Lm^2 + Lm^2 / 4 + N H Lm + 2 T
   + (2 i + 4) H D T + (2 i + 6) H T; under cp (the ring, on a rank's shard), (2 Hkv D + H + H D) T
   per position and 2 G Hkv D T per layer (the block's keys and values, rank-local);
-- per block position: the head and the loss (2 C + 4 Vd + 2) T + 1, the sequential correction
-  (3 C + 1) T, the confidence head (2 C + 4) T (each when switched on).
+- per block position i: the head and the loss (2 C + 1) T + (4 Vd + 2) K_i + 1, the sequential
+  correction (3 C + 1) T, the confidence head (2 C + 1) T + 4 K_i (each when switched on), with
+  K_i as for EAGLE-3's steps.
 """
 
 from __future__ import annotations
@@ -47,17 +52,28 @@ from cospec.config.sections import ModelConfig
 FP32 = 4
 
 
+def trained_anchors(tokens: float, sequences: float, step: int, ring: bool) -> float:
+    """K_j: the anchors whose TTT step j (or block position j) has a loss: those whose t + j is
+    still inside their sequence, every token counted as trained (in training only the response
+    tokens are, by their loss mask, so this bounds K_j from above; exact for a batch whose
+    tokens are all trained). On a cp rank's shard: all of its tokens, which the rank holding the
+    sequences' middle chunks trains (the last j tokens and the padding sit in the end chunks)."""
+    return tokens if ring else max(0.0, tokens - sequences * step)
+
+
 def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longest: int, *,
                           steps: int, taps: int, ring: bool = False, head: int = 0) -> float:
     """fp32 numbers the EAGLE-3 TTT unroll and loss save for backward on a batch of ``tokens``
     in ``sequences`` of up to ``longest`` (the module docstring's formula); ``d`` the draft's
     config, ``head`` its head's vocabulary Vd (0: d.vocab_size, a full head). ``ring``: a cp
-    rank's zigzag shard of ``tokens``, its trunk attention the ring's."""
+    rank's zigzag shard of ``tokens``, its trunk attention the ring's. The losses run at the
+    trained anchors only (`trained_anchors`)."""
     T, N, L, Vd = tokens, sequences, longest, head or d.vocab_size
     C, H, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
     floats = (taps * C + C + 2 + (0 if ring else 2 * steps)) * T
     for j in range(steps):
-        floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4 * Vd + 5) * T
+        floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4) * T
+        floats += (4 * Vd + 2) * trained_anchors(T, N, j, ring)  # the losses' rows
         if ring:  # the ring's q, K/V, output and log-sum-exp; the branch keys and values
             floats += (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
         else:  # the dense trunk attention, and the branch
@@ -84,9 +100,9 @@ def block_activation_floats(d: ModelConfig, tokens: float, sequences: float, lon
         per_layer += G * (3 * N * H * Lm * D + 2 * N * H * Lm * Lm + Lm * Lm / 4
                           + N * H * Lm + 2 * T) + G * (G + 3) * H * D * T + G * (G + 5) * H * T
     floats += Lyr * per_layer
-    per_position = (2 * C + 4 * Vd + 2) * T + 1
-    per_position += (3 * C + 1) * T * correction + (2 * C + 4) * T * confidence
-    return floats + G * per_position
+    per_position = (2 * C + 1) * T + 1 + (3 * C + 1) * T * correction + (2 * C + 1) * T * confidence
+    rows = sum(trained_anchors(T, N, i, ring) for i in range(G))  # the losses' rows
+    return floats + G * per_position + (4 * Vd + 2 + 4 * confidence) * rows
 
 
 def kept_share(minibatch: Sequence[int], per_batch: int) -> tuple[float, float]:
