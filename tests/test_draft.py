@@ -299,19 +299,22 @@ def test_a_reduced_head_keeps_its_logits_and_a_bucket_and_trains_as_on_the_whole
         assert len(logits) == rows.sum() < len(rows)
         torch.testing.assert_close(kept.policy_logits[rows], compress_to_head(logits, ids, 0.7))
         assert not kept.policy_logits[~rows].any()
-        full = logits.new_zeros(len(rows), logits.shape[-1])
+        # the whole logits with noise where the step kept zeros: no loss may read those rows
+        full = 5 * torch.randn(len(rows), logits.shape[-1])
         full[rows] = logits
         on_whole = dataclasses.replace(kept, policy_logits=full)
-        results = []
-        for b in (kept, on_whole):
-            draft.zero_grad(set_to_none=True)
-            loss, _ = ttt_loss(draft, b, num_steps=3, temperature=0.7, tv_weight=0.5)
-            loss.backward()
-            results.append((loss.detach(), [p.grad.clone() for p in draft.parameters()
-                                            if p.grad is not None]))
-        torch.testing.assert_close(results[0][0], results[1][0])
-        for a, b in zip(results[0][1], results[1][1]):
-            torch.testing.assert_close(a, b)
+        for anchor_weight in (0.0, 3.0):
+            results = []
+            for b in (kept, on_whole):
+                draft.zero_grad(set_to_none=True)
+                loss, _ = ttt_loss(draft, b, num_steps=3, temperature=0.7, tv_weight=0.5,
+                                   anchor_weight=anchor_weight)
+                loss.backward()
+                results.append((loss.detach(), [p.grad.clone() for p in draft.parameters()
+                                                if p.grad is not None]))
+            torch.testing.assert_close(results[0][0], results[1][0])
+            for a, b in zip(results[0][1], results[1][1]):
+                torch.testing.assert_close(a, b)
 
 
 # ----------------------------------------------------------------------------- reduced draft vocabulary

@@ -246,6 +246,9 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         raise ValueError("draft.anchor_weight is not supported under context parallelism yet "
                          "(entry t's weight reads entry t - 1, which may sit on another rank); "
                          "set draft.anchor_weight=0 or parallel.cp=1")
+    # the rows each step's losses run at (the trained anchors), read before the unroll is
+    # queued: on CUDA the host then waits on the masks only, not on the whole unroll
+    rows_J = [m.nonzero()[:, 0] for m in steps.mask_JT]
     logits, confidence = unroll(draft, steps, cu_seqlens, attention)
     weights = (anchor_weights(logits[0], steps, cu_seqlens, anchor_weight, temperature,
                               draft.vocab_ids) if anchor_weight else None)
@@ -255,7 +258,7 @@ def ttt_loss_on_steps(draft: TappedDraft, steps: TTTSteps, cu_seqlens: Tensor, *
         # The losses at the trained anchors only (a masked mean): on the policy's chat prompts
         # over half of the anchors are prompt tokens, and the vocabulary-wide softmaxes of CE
         # and TV were most of a co-training update. index_select: its backward is a scatter-add.
-        rows = steps.mask_JT[j].nonzero()[:, 0]
+        rows = rows_J[j]
         mask = steps.mask_JT[j].float()
         count = (mask.sum() if total_count is None else total_count(mask.sum())).clamp(min=1)
         ids = draft.vocab_ids

@@ -56,8 +56,8 @@ class AttentionLayout:
 
     # A copy into zeros and index_select rather than advanced indexing: their backwards are a
     # gather and a scatter-add over distinct slots, where indexing's is an accumulating
-    # index_put, ~4.5x dearer on a CPU (SmolLM2's q, 8 sequences: 5.8 against 1.3 ms to unpack,
-    # pack and back).
+    # index_put, ~5x dearer on a CPU (SmolLM2's q, 8 sequences: 6.2 against 1.2 ms to unpack,
+    # pack and back; docs/results/real_model/policy_step_kernels.py).
     def to_padded(self, x_HTD: Tensor) -> Tensor:
         """[H, T, D] packed -> [N, H, L, D], zeros past each sequence's end."""
         scatter_T, N, L = self.padded_index()
@@ -125,11 +125,12 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> 
     if layout.cu_seqlens is None:
         raise ValueError("attention layout needs a mask or cu_seqlens")
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
-        # Training under bf16 autocast on a CPU: torch's fused CPU attention backward costs
-        # ~4.7x in bf16 what it costs in fp32 (SmolLM2's shapes, 8 sequences of ~130 tokens:
-        # 19.9 against 4.2 ms a layer, torch 2.13 on a Xeon with AMX), 40% of the policy
-        # step's backward. In fp32 it is also the more exact one; forwards without gradient
-        # (prefill, the draft's data) keep bf16, which is faster there.
+        # Training under bf16 autocast on a CPU: torch's fused CPU attention costs ~3x in bf16
+        # what it costs in fp32, its backward most of it (SmolLM2's shapes, 8 sequences of 132
+        # tokens: 18.0 against 5.8 ms a layer forward and backward, torch 2.13 on a Xeon with
+        # AMX; docs/results/real_model/policy_step_kernels.py). In fp32 it is also the more
+        # exact one; forwards without gradient (prefill, the draft's data) keep bf16, faster
+        # there.
         with autocast_off(q.device):
             return sdpa_attention(q.float(), k.float(), v.float(), layout).to(q.dtype)
     # Packed: unpack to a padded [N, H, L, D] batch and run plain causal attention, O(N L^2) instead

@@ -280,7 +280,11 @@ class Transformer(nn.Module):
         if kv_cache is not None:
             kv_cache.advance(x.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
         head_in = x
-        if logits_positions_B is not None:
+        if logits_positions_B is not None and logits_positions_B.dim() == 2 and x.shape[0] == 1:
+            # a packed row's positions (training): index_select's backward is a scatter-add,
+            # advanced indexing's an accumulating index_put
+            head_in = x[0].index_select(0, logits_positions_B[0])[None]
+        elif logits_positions_B is not None:
             at_BK = logits_positions_B if logits_positions_B.dim() == 2 else logits_positions_B[:, None]
             head_in = x[torch.arange(x.shape[0], device=x.device)[:, None], at_BK]
         logits = self.lm_head(self.norm(head_in)) if self.lm_head is not None else None

@@ -7,11 +7,11 @@
 What this implementation saves (counted with `cospec.metrics.saved_activations`;
 `tests/test_plan.py` checks the formula on every stage kind and the peak of whole trainer steps),
 per microbatch, in fp32: per layer (7C + 4I + 2) T in token layout and (2HD + 2HkvD + H) N Lmax
-in the attention's padded layout (ring attention under cp: T); per stage (2D + 2) T of RoPE
+in the attention's padded layout (ring attention under cp: T); per stage 2D T of RoPE
 tables and 2 T of the attention's index (4 T under cp); the token ids 2 T on the first stage; on
 the last the final norm's and the head's inputs (3C + 1) K and the GRPO loss (V + 7) K, 3 V K
 more with a KL penalty, where K = T, or under neither cp nor pp (the step runs the head at the
-response positions only) K = the response tokens, and the head's index 2 K + 2 more.
+response positions only) K = the response tokens, and the head's index 2 K more.
 
 Under bf16 autocast (grpo.autocast), by dtype: the norms, the attention's log-sum-exp and the
 loss in fp32; the matmuls' inputs (3 C + 4 I a token and layer: the norms cast their output once
@@ -66,7 +66,7 @@ def activation_bytes(m: ModelConfig, lengths: Sequence[int], *, layers: int, fir
     # ids on the first stage; the final norm's and the head's inputs on the last (and the int64
     # indices of the head's positions when it runs at some); the GRPO loss, always fp32
     # (autocast runs log_softmax in fp32)
-    picked = 2 * K + 2 if last and head_tokens is not None else 0  # its [1, K] and [1, 1] index
+    picked = 2 * K if last and head_tokens is not None else 0  # the head's positions (int64)
     outside = (2 * D + 2 + 2 * first) * T + (2 * slots if ring else 0) + picked
     loss = (m.vocab_size + 7 + (3 * m.vocab_size if kl else 0)) * K if last else 0
     if not autocast:

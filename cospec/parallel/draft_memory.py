@@ -56,8 +56,10 @@ def trained_anchors(tokens: float, sequences: float, step: int, ring: bool) -> f
     """K_j: the anchors whose TTT step j (or block position j) has a loss: those whose t + j is
     still inside their sequence, every token counted as trained (in training only the response
     tokens are, by their loss mask, so this bounds K_j from above; exact for a batch whose
-    tokens are all trained). On a cp rank's shard: all of its tokens, which the rank holding the
-    sequences' middle chunks trains (the last j tokens and the padding sit in the end chunks)."""
+    tokens are all trained). It assumes every sequence has at least j tokens (a chat prompt
+    alone has more than any TTT depth). On a cp rank's shard: all of its tokens, which the rank
+    holding the sequences' middle chunks trains (the last j tokens and the padding sit in the
+    end chunks)."""
     return tokens if ring else max(0.0, tokens - sequences * step)
 
 

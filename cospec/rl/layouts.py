@@ -178,7 +178,7 @@ def check_rl_config(cfg: RunConfig) -> None:
 
 def _adamw(module, cfg: RunConfig) -> torch.optim.AdamW:
     """The policy's AdamW, fused: one kernel over all tensors instead of a loop of small ops
-    (SmolLM2-135M on 2 CPU cores: 0.09 s a step against 0.39 s, the same update)."""
+    (SmolLM2-135M on 2 CPU cores: 0.08 s a step against 0.36 s, the same update)."""
     g = cfg.grpo
     return torch.optim.AdamW(module.parameters(), lr=g.lr, betas=(0.9, 0.99),
                              weight_decay=g.weight_decay, fused=True)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from cospec.data.packing import balanced_cuts, pack_examples
+from cospec.data.packing import balanced_cuts, pack_examples, sequence_rows
 from cospec.draft.ttt import TTTBatch, select_sequences
 from cospec.models.integrity import NonFiniteError
 from cospec.models.precision import autocast
@@ -204,19 +204,28 @@ class LocalPolicyStep:
         grad_norm = step_if_finite(self.optimizer, clip_grad_norm(self.policy.parameters(),
                                                                   self.grad_clip))
         captured = []
-        if tap_layers:
-            captured.append(select_sequences(TTTBatch(
+        if tap_layers:  # the targets are filled in below, for the kept sequences only
+            kept = select_sequences(TTTBatch(
                 tokens=mb.tokens, cu_seqlens=mb.cu_seqlens, loss_mask=mb.loss_mask,
                 taps={k: v[0] for k, v in out.taps.items()},
-                policy_logits=self._draft_targets_at(out.logits[0].detach(), rows, len(mb.tokens))),
-                sequences))
+                policy_logits=mb.loss_mask.new_empty(len(mb.tokens), 0)), sequences)
+            kept.policy_logits = self._draft_targets_at(out.logits[0].detach(), rows,
+                                                        mb.cu_seqlens, sequences)
+            captured.append(kept)
         return sums, grad_norm, captured
 
-    def _draft_targets_at(self, logits_KV: Tensor, rows: Tensor, total: int) -> Tensor:
-        """[T, V'] the draft's targets laid out like the packed tokens: ``draft_targets`` of the
-        response positions' logits, zeros elsewhere. The TTT losses read only positions whose
-        loss_mask is 1 (`cospec.draft.ttt`), which are exactly ``rows``."""
-        kept = self.draft_targets(logits_KV)
-        out = kept.new_zeros(total, kept.shape[-1])
-        out[rows] = kept
+    def _draft_targets_at(self, logits_KV: Tensor, rows: Tensor, cu_seqlens: Tensor,
+                          sequences) -> Tensor:
+        """[T', V'] the draft's targets laid out like the kept sequences' packed tokens (all, for
+        ``sequences`` None): ``draft_targets`` of their response positions' logits (``logits_KV``
+        holds those of ``rows``), zeros elsewhere. The TTT losses read only positions whose
+        loss_mask is 1 (`cospec.draft.ttt`), which are exactly the response positions."""
+        row_of = torch.full((int(cu_seqlens[-1]),), -1, dtype=torch.long, device=rows.device)
+        row_of[rows] = torch.arange(len(rows), device=rows.device)
+        if sequences is not None:
+            row_of = row_of[sequence_rows(cu_seqlens, sequences)]
+        picked = row_of >= 0
+        kept = self.draft_targets(logits_KV.index_select(0, row_of[picked]))
+        out = kept.new_zeros(len(row_of), kept.shape[-1])
+        out[picked] = kept
         return out
