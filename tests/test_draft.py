@@ -19,8 +19,8 @@ from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline import (build_draft, fit_draft, sample_responses, task_data,
                                   train_draft_offline)
 from cospec.draft.policy_outputs import policy_batches
-from cospec.draft.ttt import (choose_sequences, entry_features, select_sequences, ttt_loss,
-                              ttt_steps, ttt_unroll)
+from cospec.draft.ttt import (choose_sequences, entry_features, pad_to_bucket, select_sequences,
+                              ttt_loss, ttt_steps, ttt_unroll)
 from cospec.models.draft import Eagle3Draft, default_tap_layers
 from cospec.models.draft_checkpoint import load_draft, save_draft
 from cospec.models.llama import Transformer
@@ -105,6 +105,35 @@ def test_a_catch_up_computes_the_head_only_at_each_rows_last_entry(policy):
     torch.testing.assert_close(h_last, h_full, atol=0, rtol=0)
     assert torch.equal(a.lengths_B, b.lengths_B)
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "block"])
+def test_a_batch_padded_to_its_token_bucket_trains_exactly_as_the_batch(policy, kind):
+    """`pad_to_bucket` appends one untrained sequence up to a multiple of the bucket: the TTT
+    loss, its metrics and its gradients are the unpadded batch's (anchor weights on, prompts
+    in the answers)."""
+    from cospec.models.block_draft import BlockDraft
+
+    torch.manual_seed(2)
+    draft = (Eagle3Draft.from_policy(policy) if kind == "eagle3" else
+             BlockDraft(CFG, tap_layers=default_tap_layers(CFG.num_layers)))
+    batch = packed_answers(policy, draft.tap_layers, [9, 5, 12], [3, 1, 4], seed=3)
+    padded = pad_to_bucket(batch, 16)
+    assert len(padded.tokens) == 32 and padded.cu_seqlens.tolist() == [0, 9, 14, 26, 32]
+    assert pad_to_bucket(batch, 0) is batch and pad_to_bucket(padded, 16) is padded
+    results = []
+    for b in (batch, padded):
+        draft.zero_grad(set_to_none=True)
+        loss, metrics = ttt_loss(draft, b, num_steps=3, temperature=0.8, tv_weight=0.5,
+                                 anchor_weight=2.0)
+        loss.backward()
+        results.append((loss.detach(), metrics, [p.grad.clone() for p in draft.parameters()
+                                                 if p.grad is not None]))
+    torch.testing.assert_close(results[0][0], results[1][0])
+    for name in ("ce", "tv"):
+        assert results[0][1][name] == pytest.approx(results[1][1][name], rel=1e-5)
+    for a, b in zip(results[0][2], results[1][2]):
+        torch.testing.assert_close(a, b)
 
 
 def test_ttt_loss_falls_on_a_fixed_policy_and_never_reaches_the_policy():

@@ -9,13 +9,26 @@ sync a draft with a NaN weight to the rollout engine, where it would stop the ne
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import torch
 
 from cospec.config import DraftConfig
-from cospec.draft.ttt import TTTBatch, choose_sequences, select_sequences
+from cospec.draft.ttt import TTTBatch, choose_sequences, pad_to_bucket, select_sequences
 from cospec.models.precision import autocast
+
+
+def cotrain_config(d: DraftConfig, group) -> DraftConfig:
+    """The draft config a rank co-trains with: under dp a replica's share of the token budget;
+    under cp no token bucket (the ring pads each sequence of its shards itself, and
+    `cospec plan` counts its traffic on the batch as drawn). ``group``: the rank's `TrainGroup`
+    (None: one process)."""
+    if group is not None and group.dp > 1 and d.cotrain_max_tokens:
+        d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // group.dp))
+    if group is not None and group.cp > 1:
+        d = dataclasses.replace(d, token_bucket=0)
+    return d
 
 
 def cotrain_sampler(d: DraftConfig, num_batches: int, seed: int):
@@ -45,7 +58,8 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
     device = next(draft.parameters()).device
     metrics: dict = {}
     choose = cotrain_sampler(d, len(captured), seed)
-    data = [select_sequences(b, choose(b.sequence_lengths())) for b in captured]
+    data = [pad_to_bucket(select_sequences(b, choose(b.sequence_lengths())), d.token_bucket)
+            for b in captured]
     skipped = 0
     for _ in range(d.cotrain_iters):
         for batch in data:

@@ -132,14 +132,16 @@ def kept_vocab(policy: ModelConfig, head: int = 0) -> int:
 def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequence[Sequence[int]],
                        *, steps: int, taps: int, features: int, max_tokens: int, cp: int = 1,
                        head: int = 0, kind: str = "eagle3", correction: bool = False,
-                       confidence: bool = True, logit_bytes: int = FP32) -> dict[str, float]:
+                       confidence: bool = True, logit_bytes: int = FP32,
+                       bucket: int = 0) -> dict[str, float]:
     """The module docstring's parts for a replica's ``minibatches`` (each the sequence lengths
     of one): ``draft_captured`` and ``draft_cotrain``. ``taps``:
     the distinct tapped layers (what is kept), ``features``: the draft's tap list (duplicates
     included: its input); ``head``: a reduced head's vocabulary Vd (0: the policy's); under
     ``cp`` the targets of the whole share, the activations of a rank's shard. ``kind``: eagle3
     or block (with its ``correction`` and ``confidence`` heads switched on or off).
-    ``logit_bytes``: of a kept logit (`kept_logit_bytes`)."""
+    ``logit_bytes``: of a kept logit (`kept_logit_bytes`); ``bucket``: draft.token_bucket (an
+    update trains on its share padded to a multiple of it, one sequence more)."""
     if kind not in ("eagle3", "block"):
         raise ValueError(f"draft memory is modelled for draft.kind eagle3 and block, not {kind!r}")
     per_batch = max(1, max_tokens // len(minibatches)) if max_tokens else 0
@@ -150,6 +152,8 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
     for mb in minibatches:
         T, N = kept_share(mb, per_batch)
         kept += row * T
+        if bucket > 1 and T % bucket:  # `pad_to_bucket`: the update's batch, not what is kept
+            T, N = T + (-T % bucket), N + 1
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
         if kind == "block":

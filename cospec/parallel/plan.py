@@ -202,7 +202,8 @@ def _draft_cotrain_memory(run: _Run) -> dict:
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
                                 max_tokens=budget, cp=p.cp, head=d.vocab_size, kind=d.kind,
                                 correction=d.block_correction, confidence=d.block_confidence,
-                                logit_bytes=kept_logit_bytes(d.vocab_size, run.cfg.grpo.autocast))
+                                logit_bytes=kept_logit_bytes(d.vocab_size, run.cfg.grpo.autocast),
+                                bucket=d.token_bucket)
              for r in range(p.dp)]
     return {k: max(part[k] for part in parts) for k in parts[0]}
 

@@ -21,7 +21,6 @@ measured wall-clock costs, so with it runs are equal in distribution, not bit fo
 
 from __future__ import annotations
 
-import dataclasses
 import random
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from cospec.config import ConfigError, DraftConfig, RunConfig, SamplingConfig
 from cospec.data.prompts import TaskData
 from cospec.data.tasks import Example
 from cospec.data.tokenizer import Tokenizer, check_vocab
-from cospec.draft.cotrain import cotrain_draft, cotrain_sampler
+from cospec.draft.cotrain import cotrain_config, cotrain_draft, cotrain_sampler
 from cospec.draft.offline import trainable_parameters, train_draft_offline
 from cospec.draft.ttt import TTTBatch
 from cospec.metrics.progress import progress_bar
@@ -230,11 +229,8 @@ class GRPOTrainer:
         return metrics
 
     def _cotrain_budget(self) -> tuple[DraftConfig, int]:
-        """This step's co-training config (under dp, a replica's share of the token budget) and seed."""
-        d, dp = self.cfg.draft, self.group.dp if self.group is not None else 1
-        if dp > 1 and d.cotrain_max_tokens:
-            d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // dp))
-        return d, self.g.seed * 1_000_003 + self.step
+        """This step's co-training config (`cotrain_config`) and seed."""
+        return cotrain_config(self.cfg.draft, self.group), self.g.seed * 1_000_003 + self.step
 
     def evaluate(self) -> dict:
         """Mean reward on a fixed held-out prompt set (a seed the training stream never uses),
