@@ -10,7 +10,15 @@ draft.cotrain_max_tokens=2048 and 4 micro-steps; 16: ~2,070 tokens). Each update
 TTT loss (0.75 TV) under bf16 autocast, backward, clip, fused AdamW. Median of 5 after 2
 warm-ups. Stop 49 ran it at d3e90e5 and at its parent (the losses over every anchor) to measure
 that commit (docs/results/real_model.md, "The policy step and co-training, cheaper").
+
+    python docs/results/real_model/cotrain_update_cost.py --varying
+
+instead times 30 updates of 4 sequences whose answer lengths are drawn anew for every update,
+as a GRPO step's co-training sees them, with draft.token_bucket 0 (off) and 32 (the default),
+after 10 updates of warm-up each, in a process whose allocator keeps freed memory as the
+trainer's does (`keep_freed_host_memory`).
 """
+import random
 import statistics
 import sys
 import time
@@ -19,10 +27,11 @@ import torch
 
 from cospec.config import ModelConfig
 from cospec.draft.losses import draft_targets
-from cospec.draft.ttt import TTTBatch, ttt_loss
+from cospec.draft.ttt import TTTBatch, pad_to_bucket, ttt_loss
 from cospec.models.draft import Eagle3Draft
 from cospec.models.llama import Transformer
 from cospec.models.precision import autocast
+from cospec.rollout.host_memory import keep_freed_host_memory
 
 SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3,
                       intermediate_size=1536, max_seq_len=512, rope_theta=100000.0,
@@ -44,6 +53,30 @@ def batch_of(sequences: int, vocab_ids: torch.Tensor) -> TTTBatch:
                     policy_logits=keep(torch.randn(T, SMOLLM2.vocab_size)))
 
 
+def update(draft, optimizer, batch: TTTBatch) -> float:
+    t0 = time.perf_counter()
+    with autocast("bfloat16", "cpu"):
+        loss, _ = ttt_loss(draft, batch, num_steps=4, temperature=TEMPERATURE, tv_weight=0.75)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+    optimizer.step()
+    return time.perf_counter() - t0
+
+
+def varying(draft, optimizer, vocab_ids: torch.Tensor) -> None:
+    keep_freed_host_memory()
+    for bucket in (0, 32):
+        rng, times = random.Random(0), []
+        for i in range(40):
+            ANSWERS[:4] = [rng.randint(20, 110) for _ in range(4)]
+            seconds = update(draft, optimizer, pad_to_bucket(batch_of(4, vocab_ids), bucket))
+            if i >= 10:
+                times.append(seconds)
+        print(f"token_bucket {bucket}: {statistics.median(times):.3f} s an update (median of "
+              f"{len(times)}, a new answer mix each)")
+
+
 def main() -> None:
     torch.manual_seed(0)
     vocab_ids = torch.arange(8192) * 6
@@ -51,19 +84,11 @@ def main() -> None:
     draft.embed_tokens.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4,
                                   fused=True)
+    if sys.argv[1:] == ["--varying"]:
+        return varying(draft, optimizer, vocab_ids)
     for sequences in [int(a) for a in sys.argv[1:]] or [4, 16]:
         batch = batch_of(sequences, vocab_ids)
-        times = []
-        for i in range(7):
-            t0 = time.perf_counter()
-            with autocast("bfloat16", "cpu"):
-                loss, _ = ttt_loss(draft, batch, num_steps=4, temperature=TEMPERATURE, tv_weight=0.75)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
-            if i >= 2:
-                times.append(time.perf_counter() - t0)
+        times = [update(draft, optimizer, batch) for _ in range(7)][2:]
         print(f"{sequences} sequences, {len(batch.tokens)} tokens ({int(batch.loss_mask.sum())} "
               f"trained): {statistics.median(times):.3f} s an update (min {min(times):.3f})")
 
