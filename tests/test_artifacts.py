@@ -145,6 +145,9 @@ def test_how_draft_train_holds_its_data_is_not_part_of_the_draft():
     one setting resumes, and a saved draft is reused, under the other."""
     cfg = resolve("tiny")
     assert draft_fields(apply(cfg, {"draft": {"keep_policy_outputs": False}})) == draft_fields(cfg)
+    # nor does padding its batches to a token bucket (same loss and gradients)
+    assert "token_bucket" not in draft_fields(cfg)["draft"]
+    assert draft_fields(apply(cfg, {"draft": {"token_bucket": 0}})) == draft_fields(cfg)
     assert draft_fields(apply(cfg, {"draft": {"tv_weight": 0.5}})) != draft_fields(cfg)  # the loss
 
 

@@ -112,10 +112,10 @@ class DraftConfig:
     #: attention and the losses stay fp32). Halves the cost on GPUs and AMX CPUs; 30x dearer on
     #: CPUs without bf16 matmul units (docs/results/real_model.md)
     autocast: str = ""
-    #: offline and co-training batches are padded to a multiple of this many tokens (one
-    #: untrained sequence appended; 0 or 1 = off): on a CPU each new matmul shape costs a kernel
-    #: build (~7 ms a bf16 matmul), and batches of whole sequences rarely repeat a token count.
-    #: Same loss and gradients (cospec.draft.ttt.pad_to_bucket)
+    #: on a CPU, offline and co-training batches are padded to a multiple of this many tokens
+    #: (one untrained sequence appended; 0 or 1 = off; never on a GPU or under cp): there each
+    #: new matmul shape costs a kernel build (~7 ms a bf16 matmul), and batches of whole
+    #: sequences rarely repeat a token count. Same loss and gradients (ttt.pad_to_bucket)
     token_bucket: int = 32
     #: oracle mode: retrain the draft on the current policy every this many RL steps
     oracle_every: int = 10
@@ -130,7 +130,8 @@ class DraftConfig:
         _check(0 <= self.tv_weight <= 1, "draft.tv_weight", f"must be in [0, 1], got {self.tv_weight}")
         _check(self.anchor_weight >= 0, "draft.anchor_weight", f"must be >= 0, got {self.anchor_weight}")
         _check(self.oracle_every > 0, "draft.oracle_every", "must be positive")
-        _check(self.token_bucket >= 0, "draft.token_bucket", f"must be >= 0, got {self.token_bucket}")
+        _check(self.token_bucket >= 0, "draft.token_bucket",
+               f"must be >= 0, got {self.token_bucket}")
         _check(self.autocast in ("", "bfloat16"), "draft.autocast",
                f"must be empty (fp32) or bfloat16, got {self.autocast!r}")
         _check(self.kind in ("eagle3", "block", "lm"), "draft.kind",

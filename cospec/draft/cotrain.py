@@ -15,7 +15,8 @@ import random
 import torch
 
 from cospec.config import DraftConfig
-from cospec.draft.ttt import TTTBatch, choose_sequences, pad_to_bucket, select_sequences
+from cospec.draft.ttt import (TTTBatch, choose_sequences, cpu_bucket, pad_to_bucket,
+                              select_sequences)
 from cospec.models.precision import autocast
 
 
@@ -58,13 +59,14 @@ def cotrain_draft(draft, optimizer, captured: list[TTTBatch], d: DraftConfig, *,
     device = next(draft.parameters()).device
     metrics: dict = {}
     choose = cotrain_sampler(d, len(captured), seed)
-    data = [pad_to_bucket(select_sequences(b, choose(b.sequence_lengths())), d.token_bucket)
-            for b in captured]
+    data = [select_sequences(b, choose(b.sequence_lengths())) for b in captured]
+    bucket = cpu_bucket(d.token_bucket, device)
     skipped = 0
     for _ in range(d.cotrain_iters):
         for batch in data:
             with autocast(d.autocast, device):  # the backward below runs outside it
-                loss, metrics = loss_fn(draft, batch, num_steps=d.ttt_steps, decay=d.ttt_decay,
+                loss, metrics = loss_fn(draft, pad_to_bucket(batch, bucket),  # one at a time
+                                        num_steps=d.ttt_steps, decay=d.ttt_decay,
                                         temperature=temperature, tv_weight=d.tv_weight,
                                         anchor_weight=d.anchor_weight)
             optimizer.zero_grad(set_to_none=True)

@@ -33,7 +33,7 @@ from cospec.draft.expected_accept_length import expected_accept_length
 from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline_checkpoint import OfflineCheckpoint
 from cospec.draft.policy_outputs import num_tokens, policy_batches
-from cospec.draft.ttt import TTTBatch, pad_to_bucket, ttt_loss
+from cospec.draft.ttt import TTTBatch, cpu_bucket, pad_to_bucket, ttt_loss
 from cospec.lr_schedule import lr_at
 from cospec.metrics.progress import progress_bar
 from cospec.models.block_draft import BlockDraft
@@ -229,7 +229,8 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
             batch = batches[order.randrange(len(batches))]
             with autocast(d.autocast, device):  # the backward below runs outside it
                 if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
-                    loss, last = ttt_loss(draft, pad_to_bucket(batch, d.token_bucket),
+                    loss, last = ttt_loss(draft, pad_to_bucket(batch, cpu_bucket(d.token_bucket,
+                                                                                 device)),
                                           num_steps=d.ttt_steps, decay=d.ttt_decay,
                                           temperature=cfg.sampling.temperature,
                                           tv_weight=d.tv_weight, anchor_weight=d.anchor_weight)

@@ -58,12 +58,13 @@ class TTTBatch:
 def pad_to_bucket(batch: TTTBatch, multiple: int) -> TTTBatch:
     """``batch`` with one untrained sequence appended so that its token count is a multiple of
     ``multiple`` (the batch itself when it is, or for ``multiple`` <= 1). On a CPU, oneDNN builds
-    a kernel for every new matmul shape (~7 ms a bf16 matmul on AMX against 2.4 ms to run it),
-    and packed batches of whole sequences rarely repeat a token count; in buckets they do (a
-    co-training update of ~450 tokens of SmolLM2's draft: 0.23 s against 0.40 s with a new
-    count every time; docs/results/real_model.md). The appended sequence is its own (attention
-    never crosses a sequence) and its loss mask is 0, so the loss and its gradients are the
-    batch's own."""
+    a kernel for every new matmul shape (a bf16 matmul on AMX: ~7 ms to build, 2.8 ms to run),
+    and packed batches of whole sequences rarely repeat a token count; in buckets more of them
+    do (a co-training update of ~450 tokens of SmolLM2's draft with a new answer mix each time:
+    0.309 s bucketed by 32, 0.372 s not, 0.238 s for one batch repeated;
+    docs/results/real_model.md). The appended sequence is its own (attention never crosses a
+    sequence) and its loss mask is 0, so the loss and its gradients are the batch's own. A
+    copy of the batch: pad one batch at a time."""
     pad = -len(batch.tokens) % multiple if multiple > 1 else 0
     if not pad:
         return batch
@@ -75,6 +76,12 @@ def pad_to_bucket(batch: TTTBatch, multiple: int) -> TTTBatch:
                     loss_mask=padded(batch.loss_mask),
                     taps={k: padded(v) for k, v in batch.taps.items()},
                     policy_logits=padded(batch.policy_logits))
+
+
+def cpu_bucket(multiple: int, device: torch.device) -> int:
+    """``multiple`` on a CPU, 0 elsewhere: kernel builds per shape are oneDNN's (CPU) cost; on a
+    GPU the padding would only add work."""
+    return multiple if torch.device(device).type == "cpu" else 0
 
 
 def cat_batches(batches: list[TTTBatch]) -> TTTBatch:

@@ -56,7 +56,7 @@ class AttentionLayout:
 
     # A copy into zeros and index_select rather than advanced indexing: their backwards are a
     # gather and a scatter-add over distinct slots, where indexing's is an accumulating
-    # index_put, ~5x dearer on a CPU (SmolLM2's q, 8 sequences: 6.2 against 1.2 ms to unpack,
+    # index_put, ~4x dearer on a CPU (SmolLM2's q, 8 sequences: 6.3 against 1.5 ms to unpack,
     # pack and back; docs/results/real_model/policy_step_kernels.py).
     def to_padded(self, x_HTD: Tensor) -> Tensor:
         """[H, T, D] packed -> [N, H, L, D], zeros past each sequence's end."""
@@ -125,10 +125,10 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, layout: AttentionLayout) -> 
     if layout.cu_seqlens is None:
         raise ValueError("attention layout needs a mask or cu_seqlens")
     if q.device.type == "cpu" and q.dtype == torch.bfloat16 and q.requires_grad:
-        # Training under bf16 autocast on a CPU: torch's fused CPU attention costs ~3x in bf16
-        # what it costs in fp32, its backward most of it (SmolLM2's shapes, 8 sequences of 132
-        # tokens: 18.0 against 5.8 ms a layer forward and backward, torch 2.13 on a Xeon with
-        # AMX; docs/results/real_model/policy_step_kernels.py). In fp32 it is also the more
+        # Training under bf16 autocast on a CPU: torch's fused CPU attention costs ~2.5x in
+        # bf16 what it costs in fp32, its backward most of it (SmolLM2's shapes, 8 sequences of
+        # 132 tokens: 16.1 against 6.5 ms a layer forward and backward, torch 2.13 on a Xeon
+        # with AMX; docs/results/real_model/policy_step_kernels.py). In fp32 it is also the more
         # exact one; forwards without gradient (prefill, the draft's data) keep bf16, faster
         # there.
         with autocast_off(q.device):

@@ -152,8 +152,10 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
     for mb in minibatches:
         T, N = kept_share(mb, per_batch)
         kept += row * T
-        if bucket > 1 and T % bucket:  # `pad_to_bucket`: the update's batch, not what is kept
+        padded_copy = 0.0
+        if bucket > 1 and T % bucket:  # `pad_to_bucket`: the update's batch, a copy of the kept
             T, N = T + (-T % bucket), N + 1
+            padded_copy = row * T
         # a cp rank's shard: 1 / cp of every sequence padded by (2 cp - 1) / 2 on average
         local = T if cp == 1 else (T + N * (2 * cp - 1) / 2) / cp
         if kind == "block":
@@ -163,5 +165,5 @@ def draft_memory_bytes(policy: ModelConfig, d: ModelConfig, minibatches: Sequenc
         else:
             saved = ttt_activation_floats(d, local, N, max(mb), steps=steps, taps=features,
                                           ring=cp > 1, head=head)
-        update = max(update, steps * Vk * T * logit_bytes + saved * FP32)
+        update = max(update, steps * Vk * T * logit_bytes + saved * FP32 + padded_copy)
     return {"draft_captured": kept, "draft_cotrain": update}

@@ -11,12 +11,12 @@ TTT loss (0.75 TV) under bf16 autocast, backward, clip, fused AdamW. Median of 5
 warm-ups. Stop 49 ran it at d3e90e5 and at its parent (the losses over every anchor) to measure
 that commit (docs/results/real_model.md, "The policy step and co-training, cheaper").
 
-    python docs/results/real_model/cotrain_update_cost.py --varying
+    python docs/results/real_model/cotrain_update_cost.py --varying 0     # then --varying 32
 
 instead times 30 updates of 4 sequences whose answer lengths are drawn anew for every update,
-as a GRPO step's co-training sees them, with draft.token_bucket 0 (off) and 32 (the default),
-after 10 updates of warm-up each, in a process whose allocator keeps freed memory as the
-trainer's does (`keep_freed_host_memory`).
+as a GRPO step's co-training sees them, padded to draft.token_bucket (0: off; 32, the
+default), after 10 updates of warm-up, in a fresh process whose allocator keeps freed memory
+as the trainer's does (`keep_freed_host_memory`).
 """
 import random
 import statistics
@@ -64,17 +64,16 @@ def update(draft, optimizer, batch: TTTBatch) -> float:
     return time.perf_counter() - t0
 
 
-def varying(draft, optimizer, vocab_ids: torch.Tensor) -> None:
+def varying(draft, optimizer, vocab_ids: torch.Tensor, bucket: int) -> None:
     keep_freed_host_memory()
-    for bucket in (0, 32):
-        rng, times = random.Random(0), []
-        for i in range(40):
-            ANSWERS[:4] = [rng.randint(20, 110) for _ in range(4)]
-            seconds = update(draft, optimizer, pad_to_bucket(batch_of(4, vocab_ids), bucket))
-            if i >= 10:
-                times.append(seconds)
-        print(f"token_bucket {bucket}: {statistics.median(times):.3f} s an update (median of "
-              f"{len(times)}, a new answer mix each)")
+    rng, times = random.Random(0), []
+    for i in range(40):
+        ANSWERS[:4] = [rng.randint(20, 110) for _ in range(4)]
+        seconds = update(draft, optimizer, pad_to_bucket(batch_of(4, vocab_ids), bucket))
+        if i >= 10:
+            times.append(seconds)
+    print(f"token_bucket {bucket}: {statistics.median(times):.3f} s an update (median of "
+          f"{len(times)}, a new answer mix each)")
 
 
 def main() -> None:
@@ -84,8 +83,8 @@ def main() -> None:
     draft.embed_tokens.requires_grad_(False)
     optimizer = torch.optim.AdamW([p for p in draft.parameters() if p.requires_grad], lr=1e-4,
                                   fused=True)
-    if sys.argv[1:] == ["--varying"]:
-        return varying(draft, optimizer, vocab_ids)
+    if sys.argv[1:2] == ["--varying"]:
+        return varying(draft, optimizer, vocab_ids, int(sys.argv[2]))
     for sequences in [int(a) for a in sys.argv[1:]] or [4, 16]:
         batch = batch_of(sequences, vocab_ids)
         times = [update(draft, optimizer, batch) for _ in range(7)][2:]

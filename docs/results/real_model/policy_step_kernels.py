@@ -9,7 +9,9 @@ shapes (docs/results/real_model.md, "The policy step and co-training, cheaper"):
   [N, H, L, D] and packing back, forward and backward, by advanced indexing (the old way) and
   by `AttentionLayout.to_padded` / `from_padded` (a copy into zeros and index_select);
 - AdamW: one step over SmolLM2-135M's parameters (with random gradients), its for-loop and
-  its fused kernel, and the gradient clipping before it.
+  its fused kernel, and the gradient clipping before it;
+- a new matmul shape: a [T, 576] x [576, 1536] matmul and its backward under bf16 autocast,
+  T = 445 every time, or a new T every time (oneDNN builds a kernel per shape).
 Medians after warm-ups; 2 threads.
 """
 import statistics
@@ -75,8 +77,24 @@ def adamw() -> None:
               f"(clipping before it: {clip:.1f} ms)")
 
 
+def new_shapes() -> None:
+    weight = torch.randn(1536, 576, requires_grad=True)
+    sizes = iter(range(446, 10_000))
+
+    def matmul(T: int):
+        x = torch.randn(T, 576, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = x @ weight.t()
+        y.float().sum().backward()
+    same = median_ms(lambda: matmul(445))
+    new = median_ms(lambda: matmul(next(sizes)))
+    print(f"bf16 matmul + backward, T = 445 each time {same:5.2f} ms; a new T each time "
+          f"{new:5.2f} ms")
+
+
 if __name__ == "__main__":
     print(f"threads {torch.get_num_threads()}")
     attention()
     padded_layout()
     adamw()
+    new_shapes()
