@@ -117,6 +117,10 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
     assert set(result["modes"]) == {"none", "frozen", "cotrain-tv"}
     assert all(len(h) == 2 for h in result["modes"].values())
     assert "tau_first" in result["summary"]["frozen"] and "tau_first" not in result["summary"]["none"]
+    # each speculative step's answers timed again by plain decoding at their lengths (paired)
+    for mode in ("frozen", "cotrain-tv"):
+        assert all(h["paired_plain_generate"] > 0 for h in result["modes"][mode])
+    assert not any("paired_plain_generate" in h for h in result["modes"]["none"])
     for png in ("tau_vs_step.png", "reward_vs_step.png", "step_time_split.png"):
         assert (out / "stale-draft" / png).stat().st_size > 0
     made_by = json.loads((out / "draft" / "made_by.json").read_text())
@@ -127,6 +131,7 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
                  "--reuse", *TINY, f"out_dir={out}", "grpo.steps=1", "draft.train_steps=4"]) == 0
     more = json.loads((tmp_path / "more" / "stale_draft.json").read_text())
     assert set(more["modes"]) == {"frozen"}
+    assert "paired_plain_generate" not in more["modes"]["frozen"][0]  # no plain engine to time
     assert more["config"]["draft"]["train_steps"] == 4
     assert more["start_draft"]["made_by"] == made_by
     assert made_by["fields"]["draft"]["train_steps"] == 3

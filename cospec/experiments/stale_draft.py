@@ -16,6 +16,14 @@ draft's freshness; the policy's KL from its start shows how far it moved. Gamma 
 rollout.adaptive, for the rollout speed users get. Paired step times give
 the end-to-end speedup of each mode over `none` measured, not estimated.
 
+The modes' answers differ (each speculative mode draws its own random numbers, and a co-trained
+draft differs from run to run), and so do their lengths, which decide much of a step's rollout
+time. So with `none` among the modes, after each step of a speculative mode the plain engine
+answers that step's prompts again with responses of exactly the speculative answers' lengths
+(``paired_plain_generate``, seconds; docs/design.md, "Paired speedups"): the speculative
+rollouts' time compares with it on the same work. It costs one plain generation per step and
+speculative mode, outside the step's timed parts.
+
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
 "config": ..., "start_draft": {"path", "made_by"}}: the draft the modes started from and the
 fields it was made with, which ``--reuse`` may have kept although the config's draft section says
@@ -82,6 +90,9 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
         for step in range(1, steps + 1):
             for mode, trainer in trainers.items():
                 metrics = trainer.run_step()
+                if "none" in trainers and trainer.cfg.rollout.speculative:
+                    metrics["paired_plain_generate"] = paired_plain_seconds(trainers["none"],
+                                                                            trainer)
                 logs[mode].log(trainer.step, metrics)
                 runs[mode].append({"step": trainer.step, **metrics})
                 advance(f"{mode}: {console_line(metrics)}")
@@ -89,6 +100,20 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
                 if step % trainer.g.checkpoint_every == 0 or step == steps:
                     trainer.save()
     return runs
+
+
+def paired_plain_seconds(plain, speculative) -> float:
+    """Seconds ``plain``'s engine takes to answer the prompts of ``speculative``'s last step
+    with responses of exactly its answers' lengths (stop ids ignored, each row cut there): what
+    plain decoding costs for the same work (docs/design.md, "Paired speedups")."""
+    from cospec.config import SamplingConfig
+
+    answers, s = speculative.last_batch.completions, speculative.cfg.sampling
+    sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+    result = plain.engine.generate([c.prompt for c in answers], sampling,
+                                   seeds=list(range(len(answers))),
+                                   response_lengths=[len(c.tokens) for c in answers])
+    return result.seconds
 
 
 def plot(runs: dict[str, list[dict]], out: Path) -> list[Path]:

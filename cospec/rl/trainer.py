@@ -285,7 +285,7 @@ class GRPOTrainer:
         # What a checkpoint of the state before this step holds, should the step fail (`_stopped`)
         self._step_start_rng = (torch.get_rng_state(), self.prompt_rng.getstate())
         self._updated_this_step = False
-        batch = self.generate() if self.generates else None
+        batch = self.last_batch = self.generate() if self.generates else None
         t1 = time.perf_counter()
         if batch is not None:
             self.score(batch)

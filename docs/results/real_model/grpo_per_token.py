@@ -4,7 +4,11 @@ over plain per answer token (the modes' answers differ in length: per token is t
 
     python docs/results/real_model/grpo_per_token.py OUT/stale_draft.json [first_step]
 
-first_step (default 2): the means skip the steps before it (step 1 pays warm-ups).
+first_step (default 2): the means skip the steps before it (step 1 pays warm-ups). Where the
+run timed plain decoding on each speculative step's own answers (``paired_plain_generate``,
+runs since stop 49's paired timing), it also prints the paired ratios: rollouts = plain's time
+for the same answers over the mode's generate time, and the whole step with the mode's generate
+time replaced by that plain time, over the mode's step (docs/design.md, "Paired speedups").
 """
 import json
 import statistics
@@ -25,6 +29,13 @@ def main() -> None:
                   f"{s['rollout_tok_s']:.1f} tok/s, tau {s.get('accept_length', '-')}")
         kept = [s for s in steps if s["step"] >= first]
         mean = lambda f: statistics.mean(f(s) for s in kept)  # noqa: E731
+        if all("paired_plain_generate" in s for s in kept):
+            paired = sum(s["paired_plain_generate"] for s in kept)
+            spec = sum(s["time"]["generate"] for s in kept)
+            steps_s = sum(s["step_seconds"] for s in kept)
+            print(f"{mode}: paired, steps {first}+: rollouts {paired / spec:.2f}x, whole step "
+                  f"{(steps_s - spec + paired) / steps_s:.2f}x (plain decoding of its own answers "
+                  f"{paired / len(kept):.2f} s a step against its {spec / len(kept):.2f} s)")
         means[mode] = {"step": mean(lambda s: s["step_seconds"]),
                        "generate": mean(lambda s: s["time"]["generate"]),
                        "train_policy": mean(lambda s: s["time"]["train_policy"]),
