@@ -23,8 +23,9 @@ from cospec.models.precision import autocast
 def cotrain_config(d: DraftConfig, group) -> DraftConfig:
     """The draft config a rank co-trains with: under dp a replica's share of the token budget;
     under cp no token bucket (the ring pads each sequence of its shards itself, and
-    `cospec plan` counts its traffic on the batch as drawn). ``group``: the rank's `TrainGroup`
-    (None: one process)."""
+    `cospec plan` counts its traffic on the batch as drawn). ``group``: the rank's `TrainGroup`,
+    or anything with its dp and cp (`cospec plan` passes the run's parallel config); None: one
+    process."""
     if group is not None and group.dp > 1 and d.cotrain_max_tokens:
         d = dataclasses.replace(d, cotrain_max_tokens=max(1, d.cotrain_max_tokens // group.dp))
     if group is not None and group.cp > 1:

@@ -206,6 +206,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
     Returns loss_history, final_loss, last_batch (the last step's metrics), held_out (a list of
     {"step", metric: per-TTT-step values}) and train_seconds (resumed runs included)."""
     d, device = cfg.draft, next(draft.parameters()).device
+    bucket = cpu_bucket(d.token_bucket, device)
     opt = torch.optim.AdamW(trainable_parameters(draft, cfg), lr=d.lr, betas=(0.9, 0.95),
                             weight_decay=0.0, fused=True)
     order = random.Random(d.seed)
@@ -229,8 +230,7 @@ def fit_draft(cfg: RunConfig, draft, batches: Sequence[TTTBatch],
             batch = batches[order.randrange(len(batches))]
             with autocast(d.autocast, device):  # the backward below runs outside it
                 if isinstance(draft, TappedDraft):  # EAGLE-3's TTT unroll, or the block's
-                    loss, last = ttt_loss(draft, pad_to_bucket(batch, cpu_bucket(d.token_bucket,
-                                                                                 device)),
+                    loss, last = ttt_loss(draft, pad_to_bucket(batch, bucket),
                                           num_steps=d.ttt_steps, decay=d.ttt_decay,
                                           temperature=cfg.sampling.temperature,
                                           tv_weight=d.tv_weight, anchor_weight=d.anchor_weight)

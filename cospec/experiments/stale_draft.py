@@ -106,11 +106,8 @@ def paired_plain_seconds(plain, speculative) -> float:
     """Seconds ``plain``'s engine takes to answer the prompts of ``speculative``'s last step
     with responses of exactly its answers' lengths (stop ids ignored, each row cut there): what
     plain decoding costs for the same work (docs/design.md, "Paired speedups")."""
-    from cospec.config import SamplingConfig
-
-    answers, s = speculative.last_batch.completions, speculative.cfg.sampling
-    sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
-    result = plain.engine.generate([c.prompt for c in answers], sampling,
+    answers = speculative.last_batch.completions
+    result = plain.engine.generate([c.prompt for c in answers], speculative.rollout_sampling(),
                                    seeds=list(range(len(answers))),
                                    response_lengths=[len(c.tokens) for c in answers])
     return result.seconds

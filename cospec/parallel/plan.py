@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from cospec.config import RunConfig
+from cospec.draft.cotrain import cotrain_config
 from cospec.models.precision import runs_on_cpu
 from cospec.parallel.activation_memory import activation_peak_bytes, replica_minibatches
 from cospec.parallel.draft_memory import draft_memory_bytes, kept_logit_bytes, kept_vocab
@@ -198,12 +199,11 @@ def _draft_cotrain_memory(run: _Run) -> dict:
     largest replica's; under dp each replica samples its share of draft.cotrain_max_tokens."""
     d, m, p = run.cfg.draft, run.cfg.model, run.cfg.parallel
     taps = len(set(run.draft.tap_layers))
-    budget = max(1, d.cotrain_max_tokens // p.dp) if d.cotrain_max_tokens else 0
-    # `cotrain_config` and `cpu_bucket`: the token bucket only on a CPU, never under cp
-    bucket = 0 if p.cp > 1 or not runs_on_cpu(run.cfg) else d.token_bucket
+    rank = cotrain_config(d, p)  # a rank's share of the budget and its bucket, as it trains
+    bucket = rank.token_bucket if runs_on_cpu(run.cfg) else 0  # `cpu_bucket`: only on a CPU
     parts = [draft_memory_bytes(m, run.draft.config, replica_minibatches(run.cfg, run.lengths, r),
                                 steps=d.ttt_steps, taps=taps, features=len(run.draft.tap_layers),
-                                max_tokens=budget, cp=p.cp, head=d.vocab_size, kind=d.kind,
+                                max_tokens=rank.cotrain_max_tokens, cp=p.cp, head=d.vocab_size, kind=d.kind,
                                 correction=d.block_correction, confidence=d.block_confidence,
                                 logit_bytes=kept_logit_bytes(d.vocab_size, run.cfg.grpo.autocast),
                                 bucket=bucket)

@@ -136,6 +136,11 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------------- the named steps
 
+    def rollout_sampling(self) -> SamplingConfig:
+        """What rollouts sample with: the run's temperature and response cap (no top-k/p in RL)."""
+        s = self.cfg.sampling
+        return SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+
     def generate(self) -> RolloutBatch:
         """Sample prompts_per_step prompts, answer each group_size times (under dp: every replica
         draws all the prompts, the same ones, and answers its share of the groups). Rollout k of
@@ -153,8 +158,7 @@ class GRPOTrainer:
                 examples += [ex] * G
                 prompts += [self.data.prompt_ids(ex)] * G
         first = mine.start * G
-        s = self.cfg.sampling
-        sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
+        sampling = self.rollout_sampling()
         seeds = [rollout_seed(self.g.seed, self.step, first + k) for k in range(len(prompts))]
         try:
             result = self.engine.generate(prompts, sampling, seeds=seeds)
@@ -238,9 +242,8 @@ class GRPOTrainer:
         and runs, unlike the per-step training reward, whose prompts change every step."""
         rng = random.Random(999_331)
         examples = [self.data.source.sample(rng) for _ in range(self.g.eval_prompts)]
-        s = self.cfg.sampling
-        sampling = SamplingConfig(temperature=s.temperature, max_new_tokens=s.max_new_tokens)
-        result = self.engine.generate([self.data.prompt_ids(e) for e in examples], sampling,
+        result = self.engine.generate([self.data.prompt_ids(e) for e in examples],
+                                      self.rollout_sampling(),
                                       generator=torch.Generator(device=self.device).manual_seed(4242))
         batch = RolloutBatch(examples=examples, completions=result.completions, rewards=None,
                              advantages=None, generate_seconds=result.seconds, num_tokens=result.num_tokens)
