@@ -48,7 +48,7 @@ _ONLINE_DRAFT_FIELDS = ("mode", "cotrain_every", "cotrain_iters", "cotrain_lr",
                         "cotrain_max_tokens", "oracle_every")
 #: draft fields that change how offline training runs, not the draft it makes
 _RUN_DRAFT_FIELDS = ("answer_batch_size", "num_eval_prompts", "eval_every", "checkpoint_every",
-                     "keep_policy_outputs", "token_bucket")
+                     "keep_policy_outputs", "token_bucket", "fit_proposal_scale")
 #: Draft fields added after drafts were saved: left out of the fingerprint at their default, so
 #: those drafts are still reused; set otherwise, they make another draft.
 _LATER_DRAFT_FIELDS = ("layer_from_policy", "anchor_weight")

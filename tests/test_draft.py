@@ -411,6 +411,28 @@ def test_a_saved_reduced_draft_keeps_its_vocabulary_mapping(tmp_path):
         assert torch.equal(a, b), n
 
 
+def test_a_saved_draft_keeps_its_proposal_scale_and_one_saved_before_it_reads_as_1(tmp_path):
+    import json
+
+    from cospec.models.block_draft import BlockDraft
+    from cospec.models.integrity import CheckpointError
+
+    policy = Transformer(CFG)
+    for draft in (Eagle3Draft.from_policy(policy), BlockDraft.from_policy(policy)):
+        draft.proposal_scale = 1.375
+        save_draft(draft, tmp_path / "d")
+        assert load_draft(tmp_path / "d").proposal_scale == 1.375
+        meta_path = tmp_path / "d" / "draft.json"
+        meta = json.loads(meta_path.read_text())
+        del meta["proposal_scale"]
+        meta_path.write_text(json.dumps(meta))
+        assert load_draft(tmp_path / "d").proposal_scale == 1.0
+        for bad in (0, -1.0, "1.2", True):
+            meta_path.write_text(json.dumps({**meta, "proposal_scale": bad}))
+            with pytest.raises(CheckpointError, match="proposal_scale must be a positive"):
+                load_draft(tmp_path / "d")
+
+
 def test_a_frozen_embedding_stays_the_policys_while_the_rest_of_the_draft_trains():
     cfg = resolve("tiny", overrides=["draft.freeze_embedding=true", "draft.train_steps=3",
                                      "draft.num_train_prompts=8", "sampling.max_new_tokens=8"])

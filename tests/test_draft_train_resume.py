@@ -247,6 +247,25 @@ def test_held_out_acceptance_is_measured_as_the_draft_trains_and_saved_beside_it
     assert (tmp_path / "draft" / "training_curve.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_draft_train_ends_by_fitting_the_proposal_scale_on_the_held_out_answers(policy, tmp_path):
+    """The fitted scale is the draft's, saved in draft.json, and the held-out expected tau at it
+    is what the fit reported; draft.fit_proposal_scale=false leaves the draft at 1."""
+    cfg = tiny(tmp_path)
+    draft, metrics = load_or_train_draft(cfg, policy, progress=False)
+    fit = metrics["proposal_scale_fit"]
+    assert draft.proposal_scale == metrics["proposal_scale"] == fit["scale"]
+    assert json.loads((tmp_path / "draft" / "draft.json").read_text())["proposal_scale"] == fit["scale"]
+    assert fit["expected_tau_at_1"] == pytest.approx(
+        metrics["held_out"][-1]["expected_accept_length"][0], rel=1e-9)  # measured at scale 1
+    held = policy_batches(cfg, policy, policy_answers(cfg, policy, task_data(cfg, None), "held_out",
+                                                      6, progress=False), vocab_ids=draft.vocab_ids)
+    assert held_out_metrics(draft, held, cfg)["expected_accept_length"] == [
+        pytest.approx(fit["expected_tau"], rel=1e-9)]
+    plain, metrics = load_or_train_draft(tiny(tmp_path / "off", "draft.fit_proposal_scale=false"),
+                                         policy, progress=False)
+    assert plain.proposal_scale == 1.0 and "proposal_scale" not in metrics
+
+
 def test_draft_train_prints_the_held_out_curve_and_offers_fresh(tmp_path, capsys):
     args = ["draft-train", "--recipe", "tiny", f"out_dir={tmp_path}", "sft.steps=2", *OVERRIDES]
     assert main(args) == 0

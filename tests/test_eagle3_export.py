@@ -158,6 +158,19 @@ def test_round_trip_computes_bit_identical_features_logits_and_hidden(tmp_path):
     assert_same_draft(draft, back, policy)
 
 
+@torch.no_grad()
+def test_the_proposal_scale_is_folded_into_the_exported_head(tmp_path):
+    """The engines draw from the head's logits: the export's must be the scaled ones, k * z."""
+    policy, draft = make_draft()
+    draft.proposal_scale = 1.3
+    export_eagle3(draft, tmp_path / "d")
+    back, _ = read_eagle3_export(tmp_path / "d")
+    assert back.proposal_scale == 1.0
+    tokens = torch.randint(0, CFG.vocab_size, (2, 7))
+    feat = draft.project(policy_taps(policy, tokens))
+    torch.testing.assert_close(back(tokens, feat).logits, 1.3 * draft(tokens, feat).logits)
+
+
 def test_reduced_vocabulary_writes_d2t_offsets_and_the_t2d_mask_and_round_trips(tmp_path):
     policy, draft = make_draft()
     target_ids = [0, 3, 4, 10, 11, 12, 30, 49]

@@ -16,7 +16,9 @@ import torch
 from ttt_answers import packed_answers
 
 from cospec.config import ModelConfig, SamplingConfig, resolve
-from cospec.draft.expected_accept_length import accept_given_token, expected_steps
+from cospec.draft.expected_accept_length import (SCALE_GRID, SCALE_RANGE, accept_given_token,
+                                                 expected_accept_length, expected_steps,
+                                                 fit_proposal_scale)
 from cospec.draft.losses import compress_to_head, rejection_posterior
 from cospec.draft.offline import held_out_metrics
 from cospec.draft.ttt import TTTBatch, ttt_steps, ttt_unroll
@@ -111,17 +113,23 @@ CFG = ModelConfig(vocab_size=24, hidden_size=32, num_layers=4, num_heads=4, num_
                   intermediate_size=64, max_seq_len=64)
 
 
-@pytest.mark.parametrize("head_scale, stop_ids", [(1.0, ()), (4.0, ()), (4.0, (5,))])
-def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(head_scale, stop_ids):
+@pytest.mark.parametrize("head_scale, stop_ids, proposal_scale",
+                         [(1.0, (), 1.0), (4.0, (), 1.0), (4.0, (5,), 1.0), (4.0, (), 3.0)])
+def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(head_scale, stop_ids,
+                                                                               proposal_scale):
     """The accept probabilities from one TTT unroll over the engine's own answers; 256 answers of
     up to 12 tokens at gamma 3, capped by length or ended by a stop token. Given the answers the
     step count still varies, so the two agree within its noise (measured at these seeds: 840
-    steps against 840.3, 1,080 against 1,068.0, 856 against 853.2), not exactly."""
+    steps against 840.3, 1,080 against 1,068.0, 856 against 853.2, 1,545 against 1,534.8), not
+    exactly. A draft that proposes at another scale: the engine draws from and verifies against
+    softmax(scale * logits / T), and the chain prices exactly that (at scale 1 it would expect
+    1,064 steps, 31% fewer than the engine took)."""
     torch.manual_seed(0)
     policy = Transformer(CFG).eval()
     with torch.no_grad():
         policy.lm_head.weight.mul_(head_scale)  # sharper p: lower acceptance
     draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2), layer_from_policy=True).eval()
+    draft.proposal_scale = proposal_scale
     rng = random.Random(0)
     prompts = [[rng.randrange(4, 24) for _ in range(rng.randrange(3, 7))] for _ in range(256)]
     engine = SpeculativeEngine(policy, draft, batch_size=16, gamma=3, stop_ids=stop_ids)
@@ -138,10 +146,15 @@ def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(h
         batch = TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask,
                          taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
         steps = ttt_steps(draft, batch, 3)
-        accept = accept_given_token(ttt_unroll(draft, steps, cu), steps.targets_JTV, tokens, 1.0, None)
+        logits = [lg * proposal_scale for lg in ttt_unroll(draft, steps, cu)]
+        accept = accept_given_token(logits, steps.targets_JTV, tokens, 1.0, None)
+        unscaled = expected_steps(accept_given_token(ttt_unroll(draft, steps, cu), steps.targets_JTV,
+                                                     tokens, 1.0, None), cu, mask)[0]
     expected, num_tokens = expected_steps(accept, cu, mask)
     assert num_tokens == sum(len(c.tokens) - 1 for c in result.completions)
     assert expected == pytest.approx(result.stats.row_steps, rel=0.03)
+    if proposal_scale != 1.0:
+        assert abs(unscaled - result.stats.row_steps) > 0.2 * result.stats.row_steps
 
 
 def test_step_j_at_anchor_a_judges_the_answers_token_a_plus_j_plus_1_with_a_reduced_head():
@@ -183,6 +196,52 @@ def test_held_out_metrics_report_the_expected_tau_for_temperature_sampling_only(
     for warp in ("sampling.top_p=0.9", "sampling.top_k=5", "sampling.temperature=0"):
         cfg = resolve("tiny", overrides=["rollout.gamma=3", warp])
         assert "expected_accept_length" not in held_out_metrics(draft, [batch], cfg), warp
+
+
+def test_the_fitted_proposal_scale_is_the_chains_best_on_the_answers_it_was_fitted_on():
+    """The fit against the chain run at each scale on its own (the draft's proposal_scale set):
+    its tau is the one the chain gives at its scale, and at least every grid point's. In this
+    world (a sharp p, a draft copied from the policy's layer) flatter proposals pay, far below
+    the grid: the fit follows them down to the end of its range."""
+    torch.manual_seed(4)
+    policy = Transformer(CFG).eval()
+    with torch.no_grad():
+        policy.lm_head.weight.mul_(4.0)
+    draft = Eagle3Draft.from_policy(policy, tap_layers=(0, 1, 2), layer_from_policy=True).eval()
+    batch = packed_answers(policy, draft.tap_layers, [12, 9, 14], [4, 3, 5], seed=5)
+
+    def tau_at(k: float) -> float:
+        draft.proposal_scale = k
+        steps, tokens = expected_accept_length(draft, [batch], 3, 0.7)
+        return tokens / steps
+
+    fit = fit_proposal_scale(draft, [batch], 3, 0.7)
+    assert fit["expected_tau"] == pytest.approx(tau_at(fit["scale"]), rel=1e-9)
+    assert fit["expected_tau_at_1"] == pytest.approx(tau_at(1.0), rel=1e-9)
+    assert fit["expected_tau"] >= max(tau_at(k) for k in SCALE_GRID)
+    assert SCALE_RANGE[0] <= fit["scale"] < 0.3 and fit["expected_tau"] > tau_at(1.0) + 0.4
+
+
+@pytest.mark.parametrize("peak", [1.3, 0.45, 3.1])
+def test_the_fit_finds_the_peak_of_a_single_peaked_tau_inside_or_past_the_grid(monkeypatch, peak):
+    """The search alone, on a made-up tau(k) = 3 - (log k - log peak)^2: within 5% of the peak,
+    whether it lies between grid points or past either end."""
+    import math
+
+    from cospec.draft import expected_accept_length as module
+
+    calls = []
+
+    def made_up(draft, batches, gamma, temperature, scales):
+        calls.append(list(scales))
+        return {k: (100.0, round(100 * (3 - (math.log(k) - math.log(peak)) ** 2))) for k in scales}
+
+    monkeypatch.setattr(module, "expected_steps_by_scale", made_up)
+    fit = fit_proposal_scale(None, [], 3, 0.7)
+    assert fit["scale"] == pytest.approx(peak, rel=0.05)
+    assert all(k not in seen for i, c in enumerate(calls) for k in c
+               for seen in calls[:i])  # no scale measured twice
+    assert fit["expected_tau_at_1"] == pytest.approx(3 - math.log(peak) ** 2, abs=0.01)
 
 
 def test_a_token_the_policy_cannot_sample_has_no_residual_share():

@@ -305,6 +305,21 @@ def test_an_interrupted_checkpoint_write_leaves_the_previous_one_loadable(tmp_pa
     assert not list(root.glob(".tmp-*"))
 
 
+def test_a_resumed_trainer_takes_the_drafts_proposal_scale_from_the_checkpoint(tmp_path):
+    """The scale is draft.json's, not a weight: restoring must set it on both of the trainer's
+    drafts (the trained one and the engine's copy)."""
+    from cospec.rl.trainer_state import restore_trainer
+
+    _, spec = trainers_plain_and_speculative(tmp_path, "draft.mode=cotrain")
+    spec.draft.proposal_scale = spec.rollout_draft.proposal_scale = 1.6
+    spec.step = 1
+    spec.save()
+    _, fresh = trainers_plain_and_speculative(tmp_path / "fresh", "draft.mode=cotrain")
+    assert fresh.draft.proposal_scale == fresh.rollout_draft.proposal_scale == 1.0
+    restore_trainer(fresh, load_checkpoint(latest_checkpoint(Path(spec.out_dir) / "checkpoints")))
+    assert fresh.draft.proposal_scale == fresh.rollout_draft.proposal_scale == 1.6
+
+
 def _train_cmd(out_dir, *extra):
     return [sys.executable, "-m", "cospec.cli", "train", "--recipe", "tiny", f"out_dir={out_dir}",
             "grpo.steps=6", "grpo.checkpoint_every=1", "sampling.batch_size=8", *extra]

@@ -201,6 +201,7 @@ SAMPLES_PER_PROMPT = 3000
     ("random", 2, 1.3, 0.8),
     ("trained-reduced", 3, 1.0, 1.0),
     ("trained-reduced", 2, 0.7, 0.9),
+    ("trained-reduced-scaled", 3, 1.0, 1.0),
 ])
 def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, gamma, temperature,
                                                                     top_p):
@@ -218,7 +219,10 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
     reduced = torch.tensor([0, 1, EOS])
     draft = {"trained": lambda: trained_tiny_draft(policy),
              "trained-reduced": lambda: trained_tiny_draft(policy, reduced),
+             "trained-reduced-scaled": lambda: trained_tiny_draft(policy, reduced),
              "random": lambda: Eagle3Draft.from_policy(policy)}[draft_kind]()
+    if draft_kind.endswith("scaled"):  # it proposes from softmax(2.5 * logits / T)
+        draft.proposal_scale = 2.5
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
     prompts = [[BOS, 4, 5], [BOS]]  # ragged
     engine = SpeculativeEngine(policy, draft, batch_size=48, gamma=gamma)
@@ -226,7 +230,7 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
                              generator=torch.Generator().manual_seed(11))
     if draft_kind.startswith("trained"):
         assert result.stats.acceptance_by_position[0] > 0.5
-    if draft_kind == "trained-reduced":
+    if draft_kind.startswith("trained-reduced"):
         drafted_outside = [t for c in result.completions for t in c.tokens if t not in reduced]
         assert drafted_outside  # they occur; the check below says with exactly their probability
     assert_follows_exact_distribution(policy, prompts, result.completions, sampling)

@@ -117,6 +117,12 @@ class DraftConfig:
     #: new matmul shape costs a kernel build (~7 ms a bf16 matmul), and batches of whole
     #: sequences rarely repeat a token count. Same loss and gradients (ttt.pad_to_bucket)
     token_bucket: int = 32
+    #: offline training ends by fitting the draft's proposal scale (q = softmax(scale x logits /
+    #: T) when it drafts; lossless whatever the scale) to the most expected tau on its held-out
+    #: answers; needs draft.num_eval_prompts > 0 and temperature sampling without top-k/top-p. A
+    #: saved draft keeps its scale (drafts saved before it: 1.0)
+    #: (docs/design.md, "The proposal scale")
+    fit_proposal_scale: bool = True
     #: oracle mode: retrain the draft on the current policy every this many RL steps
     oracle_every: int = 10
 

@@ -23,6 +23,10 @@ The accept probabilities are those of sampling at a temperature > 0 without top-
 figure out for other sampling. The engine's tau also counts a last step's tokens past an
 answer's end, which the answer does not show, so on the same answers this reads a little lower
 (SmolLM2: 2.624 against 2.644, docs/results/real_model.md).
+
+The same chain prices a *proposal scale* (`fit_proposal_scale`): the engine may draw drafts from
+any q and stay lossless, so it draws from softmax(k * logits / T) with the k that gives held-out
+answers the most expected tau (docs/design.md, "The proposal scale").
 """
 
 from __future__ import annotations
@@ -96,14 +100,58 @@ def expected_steps(accept_JT: Tensor, cu_seqlens: Tensor, loss_mask: Tensor) -> 
 def expected_accept_length(draft, batches: Sequence[TTTBatch], gamma: int,
                            temperature: float) -> tuple[float, int]:
     """(expected verify steps, tokens) of drafting ``gamma`` tokens a step (an EAGLE-3 or block
-    draft) on the answers of ``batches`` (`TTTBatch`es: packed answers with the policy's taps and
-    logits); tau = tokens / steps."""
-    total_steps, total_tokens = 0.0, 0
+    draft, proposing at its ``proposal_scale``) on the answers of ``batches`` (`TTTBatch`es:
+    packed answers with the policy's taps and logits); tau = tokens / steps."""
+    return expected_steps_by_scale(draft, batches, gamma, temperature,
+                                   (draft.proposal_scale,))[draft.proposal_scale]
+
+
+@torch.no_grad()
+def expected_steps_by_scale(draft, batches: Sequence[TTTBatch], gamma: int, temperature: float,
+                            scales: Sequence[float]) -> dict[float, tuple[float, int]]:
+    """`expected_accept_length` for each proposal scale in ``scales`` (q = softmax(scale *
+    logits / T)), from one unroll of each batch: {scale: (expected steps, tokens)}."""
+    totals = {k: (0.0, 0) for k in scales}
     for batch in batches:
         steps = ttt_steps(draft, batch, gamma)
         logits, _ = unroll(draft, steps, batch.cu_seqlens)
-        accept = accept_given_token(logits, steps.targets_JTV, batch.tokens, temperature,
-                                    draft.vocab_ids)
-        s, t = expected_steps(accept, batch.cu_seqlens, batch.loss_mask)
-        total_steps, total_tokens = total_steps + s, total_tokens + t
-    return total_steps, total_tokens
+        for k, (total_steps, total_tokens) in totals.items():
+            accept = accept_given_token([lg * k for lg in logits], steps.targets_JTV, batch.tokens,
+                                        temperature, draft.vocab_ids)
+            s, t = expected_steps(accept, batch.cu_seqlens, batch.loss_mask)
+            totals[k] = (total_steps + s, total_tokens + t)
+    return totals
+
+
+#: The scales `fit_proposal_scale` tries first. On SmolLM2's 8,192-answer draft expected tau rose
+#: from 2.587 at 1.0 to 2.613 near 1.25 and fell off on both sides (docs/results/real_model.md,
+#: "The proposal scale").
+SCALE_GRID = (0.8, 1.0, 1.25, 1.5, 2.0)
+#: How far the fit extends the grid past its ends, by factors of 1.25, when the best is an end.
+SCALE_RANGE = (0.25, 4.0)
+
+
+def fit_proposal_scale(draft, batches: Sequence[TTTBatch], gamma: int,
+                       temperature: float) -> dict[str, float]:
+    """The proposal scale of the most expected tau on ``batches`` (held-out answers): the best of
+    `SCALE_GRID` (extended past an end while the best is that end, within `SCALE_RANGE`), refined
+    twice by trying the midpoints to its neighbours. Returns {"scale", "expected_tau_at_1",
+    "expected_tau"}; does not set it on the draft."""
+    tau: dict[float, float] = {}
+
+    def measure(scales) -> float:
+        new = [k for k in scales if k not in tau]
+        for k, (s, t) in expected_steps_by_scale(draft, batches, gamma, temperature, new).items():
+            tau[k] = t / s if s else float("nan")
+        return max(tau, key=lambda k: tau[k])
+
+    best = measure(SCALE_GRID)
+    while best == min(tau) and best / 1.25 >= SCALE_RANGE[0]:
+        best = measure([best / 1.25])
+    while best == max(tau) and best * 1.25 <= SCALE_RANGE[1]:
+        best = measure([best * 1.25])
+    for _ in range(2):
+        grid = sorted(tau)
+        i = grid.index(best)
+        best = measure([(best + grid[j]) / 2 for j in (i - 1, i + 1) if 0 <= j < len(grid)])
+    return {"scale": best, "expected_tau_at_1": tau[1.0], "expected_tau": tau[best]}

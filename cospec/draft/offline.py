@@ -14,6 +14,9 @@
    only. Its teacher-forced acceptance on the held-out answers
    is measured every ``draft.eval_every`` steps, and its state kept every
    ``draft.checkpoint_every`` steps so an interrupted run resumes (`cospec.draft.offline_checkpoint`).
+4. An EAGLE-3 or block draft's proposal scale is fitted on the held-out answers
+   (``draft.fit_proposal_scale``; `cospec.draft.expected_accept_length.fit_proposal_scale`): the
+   factor on its logits when it drafts that gives them the most expected tau.
 The result is the "frozen" draft that later experiments compare against, and the initial draft of
 co-training.
 """
@@ -29,7 +32,7 @@ import torch
 from cospec.config import RunConfig
 from cospec.data.prompts import TaskData
 from cospec.draft.answer_store import Answer, AnswerStore, policy_answers
-from cospec.draft.expected_accept_length import expected_accept_length
+from cospec.draft.expected_accept_length import expected_accept_length, fit_proposal_scale
 from cospec.draft.losses import masked_mean, soft_cross_entropy, total_variation
 from cospec.draft.offline_checkpoint import OfflineCheckpoint
 from cospec.draft.policy_outputs import num_tokens, policy_batches
@@ -144,21 +147,28 @@ def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str
                 sums[k] = [a + n * x for a, x in zip(sums.get(k, [0.0] * len(v)), v)]
             count += n
     metrics = {k: [x / max(count, 1) for x in v] for k, v in sums.items()}
-    s = cfg.sampling
-    if isinstance(draft, TappedDraft) and batches and s.temperature > 0 and not s.top_k \
-            and s.top_p == 1.0:  # the chain's accept probabilities: plain temperature sampling
+    if isinstance(draft, TappedDraft) and batches and chain_applies(cfg):
         with torch.no_grad():
-            steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma, s.temperature)
+            steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma,
+                                               cfg.sampling.temperature)
         metrics["expected_accept_length"] = [tokens / steps if steps else float("nan")]
     draft.train(was_training)
     return metrics
+
+
+def chain_applies(cfg: RunConfig) -> bool:
+    """Whether expected tau can be computed for this sampling: the chain's accept probabilities
+    are those of plain temperature sampling (`cospec.draft.expected_accept_length`)."""
+    s = cfg.sampling
+    return s.temperature > 0 and not s.top_k and s.top_p == 1.0
 
 
 def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data: TaskData | None = None,
                         progress: bool = True, answers: AnswerStore | None = None,
                         checkpoint: OfflineCheckpoint | None = None,
                         evaluate: bool = True) -> tuple[TappedDraft | Transformer, dict]:
-    """Steps 1-3; returns the trained draft and metrics (`fit_draft`'s, and the data's size).
+    """Steps 1-4; returns the trained draft and metrics (`fit_draft`'s, the data's size, and the
+    fitted ``proposal_scale`` with ``proposal_scale_fit``'s expected tau before and after).
     data: the prompts and tokenizer (default: the run's, `task_data`); answers: where the sampled
     answers are kept and reused; checkpoint: where the training state is kept every
     draft.checkpoint_every steps and resumed from (`cospec.artifacts.load_or_train_draft` passes
@@ -189,6 +199,13 @@ def train_draft_offline(cfg: RunConfig, policy: Transformer, draft=None, *, data
     data_seconds = time.perf_counter() - t0
     metrics = fit_draft(cfg, draft, batches, held_batches, state=state, checkpoint=checkpoint,
                         progress=progress)
+    if held_batches and d.fit_proposal_scale and isinstance(draft, TappedDraft) \
+            and chain_applies(cfg):
+        fit = fit_proposal_scale(draft, held_batches, cfg.rollout.gamma, cfg.sampling.temperature)
+        draft.proposal_scale = metrics["proposal_scale"] = fit["scale"]
+        metrics["proposal_scale_fit"] = fit
+        print(f"proposal scale {fit['scale']:.4g}: expected tau on {len(held)} held-out answers "
+              f"{fit['expected_tau_at_1']:.3f} at 1 -> {fit['expected_tau']:.3f}")
     metrics.update(num_batches=len(batches), num_tokens=num_tokens(batches),
                    num_held_out_batches=len(held_batches),
                    num_answers=len(completions), num_held_out_answers=len(held),

@@ -106,7 +106,15 @@ def vocab_ids_buffer(vocab_ids, vocab_size: int) -> Tensor | None:
 class TappedDraft(nn.Module):
     """What every draft that reads the policy's tapped features shares (EAGLE-3's and the block
     draft, `cospec.models.block_draft`): the taps, their fusing projection ``fc`` (3C -> C), an
-    embedding copied from the policy, and an LM head over the whole or a reduced vocabulary."""
+    embedding copied from the policy, and an LM head over the whole or a reduced vocabulary.
+
+    ``proposal_scale``: the factor on the head's logits when the draft *proposes* (the engine
+    draws from q = softmax(proposal_scale * logits / T)); training and its losses read the logits
+    as they are. Any q keeps sampling lossless, so the factor is free to choose: `cospec draft-train`
+    fits it on held-out answers to the most expected tau (`cospec.draft.expected_accept_length.
+    fit_proposal_scale`; docs/design.md, "The proposal scale"). 1.0 until fitted."""
+
+    proposal_scale: float = 1.0
 
     def _init_inputs(self, policy_cfg: ModelConfig, tap_layers: tuple[int, ...]) -> None:
         """The taps, fc and the embedding (a subclass then makes its layers, then `_init_head`:

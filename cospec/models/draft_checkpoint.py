@@ -1,8 +1,8 @@
 """Save and load drafts.
 
 - An EAGLE-3 or a block draft: a directory with ``draft.json`` (kind, tap layers, the policy
-  config it was built for, its MLP size, its head's vocabulary size; a block draft's depth and
-  heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a reduced head's rows).
+  config it was built for, its MLP size, its head's vocabulary size, its proposal scale; a block
+  draft's depth and heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a reduced head's rows).
 - A standalone draft LM: a plain HF checkpoint (`save_hf`), so transformers can load it as the
   ``assistant_model`` of its assisted generation.
 Writes are atomic (temp directory, then rename), like `save_hf`.
@@ -36,6 +36,7 @@ def save_draft(draft: TappedDraft | Transformer, path: str | Path) -> None:
             "tap_layers": list(draft.tap_layers),
             "intermediate_size": draft.config.intermediate_size,
             "draft_vocab_size": draft.draft_vocab_size,  # its ids: the vocab_ids tensor
+            "proposal_scale": draft.proposal_scale,
             "policy_config": dataclasses.asdict(draft.policy_config)}
     if isinstance(draft, BlockDraft):
         meta.update(num_layers=len(draft.layers), correction=draft.has_correction,
@@ -78,12 +79,25 @@ def _tapped_from_meta(meta_path: Path) -> TappedDraft:
                       vocab_ids=torch.arange(meta["draft_vocab_size"]) if reduced else None)
         kind = meta.get("kind", "eagle3")
         if kind == "block":
-            return BlockDraft(policy_cfg, num_layers=meta["num_layers"],
-                              correction=meta["correction"], confidence=meta["confidence"], **common)
-        if kind != "eagle3":
+            draft = BlockDraft(policy_cfg, num_layers=meta["num_layers"],
+                               correction=meta["correction"], confidence=meta["confidence"], **common)
+        elif kind == "eagle3":
+            draft = Eagle3Draft(policy_cfg, **common)
+        else:
             raise CheckpointError(f"{meta_path}: unknown draft kind {kind!r} (eagle3 or block)")
-        return Eagle3Draft(policy_cfg, **common)
+        draft.proposal_scale = _proposal_scale(meta.get("proposal_scale", 1.0), meta_path)
+        return draft
+    except CheckpointError:
+        raise  # its message names the file already
     except KeyError as e:
         raise CheckpointError(f"{meta_path}: missing field {e}") from e
     except (TypeError, ValueError, AttributeError) as e:
         raise CheckpointError(f"{meta_path}: {e}") from e
+
+
+def _proposal_scale(value, meta_path: Path) -> float:
+    """draft.json's proposal_scale (absent in drafts saved before it existed: 1.0)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise CheckpointError(f"{meta_path}: proposal_scale must be a positive finite number, "
+                              f"got {value!r}")
+    return float(value)

@@ -65,7 +65,11 @@ What a user must know: where the exported draft computes differently from cospec
 4. q/k/v biases (a Qwen2-style policy): written as vLLM's ``attention_bias true`` with a zero
    ``o_proj`` bias (vLLM then biases o_proj too). SGLang's and SpecForge's EAGLE-3 layers have no
    q/k/v biases and drop them, so such an export is correct in vLLM only.
-5. ``max_position_embeddings`` defaults to the policy's ``max_seq_len`` (the run's length), and
+5. The proposal scale (`TappedDraft.proposal_scale`) is folded into ``lm_head.weight``: the
+   engines draw from the head's logits, so they propose as cospec does. Read back, the draft has
+   scale 1 and a head that much larger; so a draft trained further from an export starts from the
+   scaled head.
+6. ``max_position_embeddings`` defaults to the policy's ``max_seq_len`` (the run's length), and
    vLLM sizes the draft's RoPE table by it: pass the context length you will serve.
 Further draft steps agree: each engine feeds the draft's pre-norm output hidden back as the next
 step's feature (cospec's ``DraftOutput.hidden``), through ``hidden_norm`` and not through fc.
@@ -185,6 +189,8 @@ def _eagle3_tensors(draft: Eagle3Draft, d2t: Tensor | None = None) -> dict[str, 
             name = EXPORTED_LAYER + name.removeprefix(OUR_LAYER)
         out[name] = t.detach().cpu().contiguous()
     out["fc.weight"] = _fc_ascending(out["fc.weight"], draft.tap_layers).contiguous()
+    if draft.proposal_scale != 1.0:  # folded into the head: the engines draw from its logits
+        out["lm_head.weight"] = (out["lm_head.weight"] * draft.proposal_scale).contiguous()
     if draft.config.qkv_bias:
         # vLLM's attention_bias also gives o_proj a bias, which it would otherwise leave unloaded.
         o_proj = out[EXPORTED_LAYER + "self_attn.o_proj.weight"]

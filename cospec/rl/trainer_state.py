@@ -121,6 +121,9 @@ def restore_trainer(trainer, ckpt: dict) -> None:
     if ckpt["draft"] is not None:
         copy_weights(ckpt["draft"], [trainer.rollout_draft])
         _load_whole(trainer.draft, ckpt["draft"])
+        if hasattr(ckpt["draft"], "proposal_scale"):  # not a weight: draft.json's
+            trainer.draft.proposal_scale = trainer.rollout_draft.proposal_scale = \
+                ckpt["draft"].proposal_scale
     torch.set_rng_state(st["torch_rng"])
     trainer.prompt_rng.setstate(as_tuples(st["prompt_rng"]))
     trainer.step = st["step"]

@@ -22,7 +22,8 @@ A drafter:
   or None when the head covers the whole vocabulary; q is zero off the head;
 - ``parallel``: False for the autoregressive drafters (EAGLE-3, a draft LM), which offer
   ``__call__(cache, tokens_NT, feats_NTF, rows_N, num_valid_N)`` -> (logits [N, T, Vd], state
-  [N, T, C] or None): feed T entries per row; logits over the head's columns; ``feats`` is the
+  [N, T, C] or None): feed T entries per row; logits over the head's columns (a tapped draft's
+  times its ``proposal_scale``: what the engine draws from, `proposal_logits`); ``feats`` is the
   stored feature for catch-up entries and the previous step's ``state`` for further draft steps.
   True for the block drafter (`BlockDrafter`), whose catch-up writes only context and whose one
   forward proposes the whole block.
@@ -77,7 +78,7 @@ class Eagle3Drafter(TappedDrafter):
         # Over the head's columns only: the engine warps and draws there and maps the draws to
         # policy ids; the ids off the head have q = 0, so the residual max(0, p - q) keeps their
         # exact p (`cospec.rollout.verify.HeadProbs`).
-        return out.logits, out.hidden
+        return proposal_logits(self.model, out.logits), out.hidden
 
 
 class LMDrafter:
@@ -141,14 +142,14 @@ class BlockDrafter(TappedDrafter):
         warp = (sampling.temperature, sampling.top_k, sampling.top_p)
         if not m.has_correction:
             N = hidden_NGC.shape[0]
-            q_NGV = probs_from_logits(m.logits(hidden_NGC), *warp)
+            q_NGV = probs_from_logits(proposal_logits(m, m.logits(hidden_NGC)), *warp)
             x = sample(q_NGV.reshape(N * gamma, -1), generator).view(N, gamma)
             conf = m.confidence(hidden_NGC)
             return (x if ids is None else ids[x]), q_NGV, conf
         prev, drafts, qs, confs = anchor_N, [], [], []
         for i in range(gamma):
             h = m.corrected(hidden_NGC[:, i], prev)
-            q_NV = probs_from_logits(m.logits(h), *warp)
+            q_NV = probs_from_logits(proposal_logits(m, m.logits(h)), *warp)
             x_N = sample(q_NV, generator)
             prev = x_N if ids is None else ids[x_N]
             drafts.append(prev)
@@ -156,6 +157,12 @@ class BlockDrafter(TappedDrafter):
             confs.append(m.confidence(h))
         conf = None if confs[0] is None else torch.stack(confs, 1)
         return torch.stack(drafts, 1), torch.stack(qs, 1), conf
+
+
+def proposal_logits(draft: TappedDraft, logits: Tensor) -> Tensor:
+    """The logits the engine draws drafts from: the head's, times the draft's ``proposal_scale``
+    (`TappedDraft`; read at every call, so a scale set after the engine was made applies)."""
+    return logits if draft.proposal_scale == 1.0 else logits * draft.proposal_scale
 
 
 def make_drafter(draft, policy_cfg=None):

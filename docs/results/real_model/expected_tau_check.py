@@ -23,15 +23,21 @@ from cospec.models.draft_checkpoint import load_draft
 from cospec.models.loading import with_checkpoint_model
 
 
-def main(count: int, dirs: list[str], overrides: list[str]) -> None:
+def recipe_held_out(count: int, overrides: list[str]):
+    """(cfg, the fp32 policy, the first ``count`` held-out answers of out_dir's answer store)."""
     torch.set_num_threads(2)
     cfg = with_checkpoint_model(resolve("smollm2-math", overrides=overrides + [
         f"draft.num_eval_prompts={count}"]))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
-    device = next(policy.parameters()).device
     held = sample_responses(cfg, policy, data, split="held_out",
                             store=answer_store(cfg, starting_policy_fields(cfg)))
+    return cfg, policy, held
+
+
+def main(count: int, dirs: list[str], overrides: list[str]) -> None:
+    cfg, policy, held = recipe_held_out(count, overrides)
+    device = next(policy.parameters()).device
     batches, vocab_ids = None, None
     for d in dirs:
         draft = load_draft(d, device=device).eval()
