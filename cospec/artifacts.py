@@ -46,7 +46,8 @@ MADE_BY = "made_by.json"
 #: draft fields that only co-training and the oracle read (not the offline training)
 _ONLINE_DRAFT_FIELDS = ("mode", "cotrain_every", "cotrain_iters", "cotrain_lr",
                         "cotrain_max_tokens", "oracle_every")
-#: draft fields that change how offline training runs, not the draft it makes
+#: draft fields that change how offline training runs, not the draft it makes (fit_proposal_scale:
+#: only its proposal scale, which a reused draft sets to 1 when the field is off)
 _RUN_DRAFT_FIELDS = ("answer_batch_size", "num_eval_prompts", "eval_every", "checkpoint_every",
                      "keep_policy_outputs", "token_bucket", "fit_proposal_scale")
 #: Draft fields added after drafts were saved: left out of the fingerprint at their default, so
@@ -291,6 +292,8 @@ def load_or_train_draft(cfg: RunConfig, policy: Transformer, *, force: bool = Fa
             and reuse_decision(path, fields, reuse=reuse, what="draft")):
         draft = load_draft(path, device=device)
         if draft_fits(draft, cfg, policy):
+            if not cfg.draft.fit_proposal_scale and hasattr(draft, "proposal_scale"):
+                draft.proposal_scale = 1.0  # the draft as trained, whatever its training fitted
             return draft.eval(), None
         print(f"draft {path} does not fit this policy and draft config: retraining")
     checkpoint = OfflineCheckpoint(path.with_name(path.name + ".partial"), fingerprint(fields))

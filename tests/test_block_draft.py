@@ -210,6 +210,7 @@ def confident_controller(gamma):
     ("trained", 3, 1.0, 1.0),
     ("trained", 2, 0.7, 0.9),
     ("trained-reduced", 3, 1.0, 1.0),
+    ("trained-scaled", 3, 1.0, 1.0),
     ("confidence-scheduled", 3, 1.0, 1.0),
 ])
 def test_block_speculative_samples_follow_the_exact_sequence_distribution(variant, gamma,
@@ -220,7 +221,9 @@ def test_block_speculative_samples_follow_the_exact_sequence_distribution(varian
     reduced = torch.tensor([0, 1, EOS])
     # the sequential correction (heads drawn one position at a time) in the plain "trained" cases
     draft, _ = trained_tiny_block_draft(policy, reduced if variant == "trained-reduced" else None,
-                                        correction=variant == "trained")
+                                        correction=variant in ("trained", "trained-scaled"))
+    if variant == "trained-scaled":  # with the correction: scaled in each position's own draw
+        draft.proposal_scale = 1.6
     sampling = SamplingConfig(temperature=temperature, top_p=top_p, max_new_tokens=HORIZON)
     prompts = [[BOS, 4, 5], [BOS]]
     controller = confident_controller(gamma) if variant == "confidence-scheduled" else None

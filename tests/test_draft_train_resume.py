@@ -249,7 +249,8 @@ def test_held_out_acceptance_is_measured_as_the_draft_trains_and_saved_beside_it
 
 def test_draft_train_ends_by_fitting_the_proposal_scale_on_the_held_out_answers(policy, tmp_path):
     """The fitted scale is the draft's, saved in draft.json, and the held-out expected tau at it
-    is what the fit reported; draft.fit_proposal_scale=false leaves the draft at 1."""
+    is what the fit reported; draft.fit_proposal_scale=false makes a draft that proposes at 1, or
+    sets a reused one to 1."""
     cfg = tiny(tmp_path)
     draft, metrics = load_or_train_draft(cfg, policy, progress=False)
     fit = metrics["proposal_scale_fit"]
@@ -261,6 +262,10 @@ def test_draft_train_ends_by_fitting_the_proposal_scale_on_the_held_out_answers(
                                                       6, progress=False), vocab_ids=draft.vocab_ids)
     assert held_out_metrics(draft, held, cfg)["expected_accept_length"] == [
         pytest.approx(fit["expected_tau"], rel=1e-9)]
+    assert fit["scale"] != 1.0 and fit["expected_tau"] > fit["expected_tau_at_1"]
+    reused, metrics = load_or_train_draft(tiny(tmp_path, "draft.fit_proposal_scale=false"), policy,
+                                          progress=False)
+    assert metrics is None and reused.proposal_scale == 1.0  # the same draft, proposing at 1
     plain, metrics = load_or_train_draft(tiny(tmp_path / "off", "draft.fit_proposal_scale=false"),
                                          policy, progress=False)
     assert plain.proposal_scale == 1.0 and "proposal_scale" not in metrics

@@ -117,7 +117,7 @@ CFG = ModelConfig(vocab_size=24, hidden_size=32, num_layers=4, num_heads=4, num_
                          [(1.0, (), 1.0), (4.0, (), 1.0), (4.0, (5,), 1.0), (4.0, (), 3.0)])
 def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(head_scale, stop_ids,
                                                                                proposal_scale):
-    """The accept probabilities from one TTT unroll over the engine's own answers; 256 answers of
+    """The accept probabilities from a TTT unroll over the engine's own answers; 256 answers of
     up to 12 tokens at gamma 3, capped by length or ended by a stop token. Given the answers the
     step count still varies, so the two agree within its noise (measured at these seeds: 840
     steps against 840.3, 1,080 against 1,068.0, 856 against 853.2, 1,545 against 1,534.8), not
@@ -146,11 +146,9 @@ def test_the_chain_predicts_the_engines_step_count_from_the_answers_it_sampled(h
         batch = TTTBatch(tokens=tokens, cu_seqlens=cu, loss_mask=mask,
                          taps={k: v[0] for k, v in out.taps.items()}, policy_logits=out.logits[0])
         steps = ttt_steps(draft, batch, 3)
-        logits = [lg * proposal_scale for lg in ttt_unroll(draft, steps, cu)]
-        accept = accept_given_token(logits, steps.targets_JTV, tokens, 1.0, None)
         unscaled = expected_steps(accept_given_token(ttt_unroll(draft, steps, cu), steps.targets_JTV,
                                                      tokens, 1.0, None), cu, mask)[0]
-    expected, num_tokens = expected_steps(accept, cu, mask)
+    expected, num_tokens = expected_accept_length(draft, [batch], 3, 1.0)  # at its proposal scale
     assert num_tokens == sum(len(c.tokens) - 1 for c in result.completions)
     assert expected == pytest.approx(result.stats.row_steps, rel=0.03)
     if proposal_scale != 1.0:
@@ -242,6 +240,18 @@ def test_the_fit_finds_the_peak_of_a_single_peaked_tau_inside_or_past_the_grid(m
     assert all(k not in seen for i, c in enumerate(calls) for k in c
                for seen in calls[:i])  # no scale measured twice
     assert fit["expected_tau_at_1"] == pytest.approx(3 - math.log(peak) ** 2, abs=0.01)
+
+
+def test_the_fit_keeps_scale_1_on_ties_and_when_the_answers_give_no_steps(monkeypatch):
+    from cospec.draft import expected_accept_length as module
+
+    monkeypatch.setattr(module, "expected_steps_by_scale",
+                        lambda *a: {k: (10.0, 30) for k in a[-1]})  # tau 3 at every scale
+    assert fit_proposal_scale(None, [], 3, 0.7) == {"scale": 1.0, "expected_tau_at_1": 3.0,
+                                                    "expected_tau": 3.0}
+    monkeypatch.setattr(module, "expected_steps_by_scale",
+                        lambda *a: {k: (0.0, 0) for k in a[-1]})  # no answer tokens at all
+    assert fit_proposal_scale(None, [], 3, 0.7)["scale"] == 1.0
 
 
 def test_a_token_the_policy_cannot_sample_has_no_residual_share():

@@ -118,10 +118,11 @@ class DraftConfig:
     #: sequences rarely repeat a token count. Same loss and gradients (ttt.pad_to_bucket)
     token_bucket: int = 32
     #: offline training ends by fitting the draft's proposal scale (q = softmax(scale x logits /
-    #: T) when it drafts; lossless whatever the scale) to the most expected tau on its held-out
-    #: answers; needs draft.num_eval_prompts > 0 and temperature sampling without top-k/top-p. A
-    #: saved draft keeps its scale (drafts saved before it: 1.0)
-    #: (docs/design.md, "The proposal scale")
+    #: T) when it drafts; lossless whatever the scale) to the most expected tau at rollout.gamma
+    #: on its held-out answers; needs draft.num_eval_prompts > 0 and temperature sampling without
+    #: top-k/top-p. A saved draft keeps its scale when reused (drafts saved before it: 1.0), also
+    #: at another gamma; off, a reused draft proposes at 1. A block draft's confidence head
+    #: still estimates acceptance at scale 1 (docs/design.md, "The proposal scale")
     fit_proposal_scale: bool = True
     #: oracle mode: retrain the draft on the current policy every this many RL steps
     oracle_every: int = 10

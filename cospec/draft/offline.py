@@ -150,7 +150,7 @@ def held_out_metrics(draft, batches: list[TTTBatch], cfg: RunConfig) -> dict[str
     if isinstance(draft, TappedDraft) and batches and chain_applies(cfg):
         with torch.no_grad():
             steps, tokens = expected_accept_length(draft, batches, cfg.rollout.gamma,
-                                               cfg.sampling.temperature)
+                                                   cfg.sampling.temperature)
         metrics["expected_accept_length"] = [tokens / steps if steps else float("nan")]
     draft.train(was_training)
     return metrics

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from cospec.models.draft import TappedDraft
 from cospec.models.integrity import NonFiniteError, nonfinite_names
 from cospec.rl.checkpoint import (as_tuples, copy_weights, save_checkpoint, staging_dir,
                                  staging_path)
@@ -121,9 +122,9 @@ def restore_trainer(trainer, ckpt: dict) -> None:
     if ckpt["draft"] is not None:
         copy_weights(ckpt["draft"], [trainer.rollout_draft])
         _load_whole(trainer.draft, ckpt["draft"])
-        if hasattr(ckpt["draft"], "proposal_scale"):  # not a weight: draft.json's
-            trainer.draft.proposal_scale = trainer.rollout_draft.proposal_scale = \
-                ckpt["draft"].proposal_scale
+        for draft in (trainer.draft, trainer.rollout_draft):  # no engine copy on cp/pp followers
+            if isinstance(draft, TappedDraft):  # the scale is draft.json's, not a weight
+                draft.proposal_scale = ckpt["draft"].proposal_scale
     torch.set_rng_state(st["torch_rng"])
     trainer.prompt_rng.setstate(as_tuples(st["prompt_rng"]))
     trainer.step = st["step"]

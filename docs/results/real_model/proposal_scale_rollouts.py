@@ -32,6 +32,8 @@ def main(draft_dir: str, batch: int, num_prompts: int, repeats: int) -> None:
     policy = inference_copy(start.policy, cfg.rollout.dtype)
     draft = inference_copy(load_draft(draft_dir), cfg.rollout.dtype)
     fitted = draft.proposal_scale
+    if fitted == 1.0:
+        raise SystemExit(f"{draft_dir} proposes at scale 1: nothing to compare (fit_proposal_scale.py)")
     rng = random.Random(2024)
     prompts = [data.prompt_ids(data.source.sample(rng)) for _ in range(num_prompts)]
     s = cfg.sampling
