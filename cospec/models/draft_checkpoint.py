@@ -2,7 +2,8 @@
 
 - An EAGLE-3 or a block draft: a directory with ``draft.json`` (kind, tap layers, the policy
   config it was built for, its MLP size, its head's vocabulary size, its proposal scale; a block
-  draft's depth and heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a reduced head's rows).
+  draft's depth and heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a
+  reduced head's rows).
 - A standalone draft LM: a plain HF checkpoint (`save_hf`), so transformers can load it as the
   ``assistant_model`` of its assisted generation.
 Writes are atomic (temp directory, then rename), like `save_hf`.
