@@ -2,6 +2,7 @@
 (`draft.keep_policy_outputs`): the same batches and the same draft either way, one batch held when
 recomputed, and a clear error up front when keeping them would not fit."""
 
+import dataclasses
 import gc
 import sys
 import weakref
@@ -81,6 +82,31 @@ def test_a_batch_holds_the_policys_own_taps_and_its_logits_on_the_head_plus_a_bu
         torch.testing.assert_close(batch.policy_logits,
                                    compress_to_head(out.logits[0], ids, cfg.sampling.temperature),
                                    rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("world, ids", HEADS)
+def test_under_draft_autocast_the_targets_are_the_policys_forward_in_that_precision(world, ids, request):
+    """draft.autocast=bfloat16 runs the policy's forward that makes the targets in bf16 autocast,
+    as the rollouts' bf16 policy and the GRPO step's forward (grpo.autocast) compute p: the batch
+    is that forward's, kept or recomputed, and not the fp32 one."""
+    cfg, policy, answers = request.getfixturevalue(world)
+    bf16 = dataclasses.replace(cfg, draft=dataclasses.replace(cfg.draft, autocast="bfloat16"))
+    packed = pack_answers(answers, cfg.draft.tokens_per_batch)[1]
+    taps = default_tap_layers(cfg.model.num_layers)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = policy(packed.tokens, cu_seqlens=packed.cu_seqlens, tap_layers=taps)
+    fp32 = policy_batches(cfg, policy, answers, vocab_ids=ids, keep=False)[1]
+    for keep in (True, False):
+        batch = policy_batches(bf16, policy, answers, vocab_ids=ids, keep=keep)[1]
+        assert all(torch.equal(batch.taps[k], out.taps[k][0]) for k in batch.taps)
+        assert not any(torch.equal(batch.taps[k], fp32.taps[k]) for k in batch.taps)
+        # kept as hidden states (narrow), the head's columns come from an fp32 matmul over the
+        # autocast forward's hidden state: its logits up to their bf16 rounding
+        tol = 1e-5 if world == "setup" else 4e-3
+        torch.testing.assert_close(batch.policy_logits,
+                                   compress_to_head(out.logits[0], ids, cfg.sampling.temperature),
+                                   rtol=tol, atol=tol)
+        assert batch.policy_logits.dtype == torch.float32
 
 
 def test_a_kept_position_holds_the_fewer_numbers_hidden_and_bucket_or_the_heads_logits(setup, narrow):

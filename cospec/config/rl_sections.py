@@ -107,10 +107,12 @@ class DraftConfig:
     #: docs/design.md, "Where drafting starts"). A 480-step fine-tune at 4 did not change a
     #: SmolLM2 draft's expected tau (docs/results/real_model.md). Not under parallel.cp > 1 yet
     anchor_weight: float = 0.0
-    #: mixed precision of the draft's training forwards (offline and co-training): "" (fp32) or
-    #: "bfloat16" (torch.autocast; weights and optimizer state stay fp32, the trunk + branch
-    #: attention and the losses stay fp32). Halves the cost on GPUs and AMX CPUs; 30x dearer on
-    #: CPUs without bf16 matmul units (docs/results/real_model.md)
+    #: mixed precision of the draft's training forwards (offline and co-training) and of
+    #: offline training's policy forward that makes its targets: "" (fp32) or "bfloat16"
+    #: (torch.autocast; weights and optimizer state stay fp32, the trunk + branch attention and
+    #: the losses stay fp32). Halves the cost on GPUs and AMX CPUs (a SmolLM2 target forward 3x
+    #: less, the same expected tau to 3 decimals); 30x dearer on CPUs without bf16 matmul units
+    #: (docs/results/real_model.md)
     autocast: str = ""
     #: on a CPU, offline and co-training batches are padded to a multiple of this many tokens
     #: (one untrained sequence appended; 0 or 1 = off; never on a GPU or under cp): there each

@@ -8,7 +8,8 @@ are not the draws of a rollout. docs/results/real_model.md, "Where drafting star
 
 The answers are the first NUM_ANSWERS of the held-out split kept in out_dir's answer store
 (sampled there first if missing, as `cospec draft-train` samples them: the bf16 rollout engine
-on an AMX CPU); the policy's outputs on them are computed in fp32.
+on an AMX CPU); the policy's outputs on them are computed in fp32 (in bf16 autocast with
+draft.autocast=bfloat16 among the overrides).
 """
 import sys
 
@@ -26,7 +27,9 @@ from cospec.models.loading import with_checkpoint_model
 def recipe_held_out(count: int, overrides: list[str]):
     """(cfg, the fp32 policy, the first ``count`` held-out answers of out_dir's answer store)."""
     torch.set_num_threads(2)
-    cfg = with_checkpoint_model(resolve("smollm2-math", overrides=overrides + [
+    # the policy's outputs in fp32 unless the overrides say draft.autocast=bfloat16 (the
+    # recipe's, under which draft-train computes its targets since stop 51)
+    cfg = with_checkpoint_model(resolve("smollm2-math", overrides=["draft.autocast="] + overrides + [
         f"draft.num_eval_prompts={count}"]))
     start = load_policy(cfg, pick_device(cfg.device))
     policy, data = start.policy.eval(), TaskData.from_config(cfg.task, start.tokenizer)
