@@ -18,11 +18,13 @@ the end-to-end speedup of each mode over `none` measured, not estimated.
 
 The modes' answers differ (each speculative mode draws its own random numbers, and a co-trained
 draft differs from run to run), and so do their lengths, which decide much of a step's rollout
-time. So with `none` among the modes, after each step of a speculative mode the plain engine
-answers that step's prompts again with responses of exactly the speculative answers' lengths
-(``paired_plain_generate``, seconds; docs/design.md, "Paired speedups"): the speculative
-rollouts' time compares with it on the same work. It costs one plain generation per step and
-speculative mode, outside the step's timed parts.
+time. So after each step of a speculative mode a plain engine answers that step's prompts again
+with responses of exactly the speculative answers' lengths (``paired_plain_generate``, seconds;
+docs/design.md, "Paired speedups"): the speculative rollouts' time compares with it on the same
+work. It costs one plain generation per step and speculative mode, outside the step's timed
+parts. The plain engine is `none`'s where that mode runs; else one over the first speculative
+mode's rollout policy (a forward's time does not depend on the weights' values), so
+``--modes frozen,cotrain`` is paired too without paying for a plain GRPO run.
 
 Writes ``<out>/stale_draft.json`` ({"modes": {mode: [per-step metrics]}, "summary": {...},
 "config": ..., "start_draft": {"path", "made_by"}}: the draft the modes started from and the
@@ -86,13 +88,13 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
 
     runs: dict[str, list[dict]] = {m: [] for m in trainers}
     logs = {m: RunLog(out / m / "metrics.jsonl") for m in trainers}
+    plain_engine = paired_plain_engine(trainers)
     with progress_bar(True, steps * len(trainers), "stale-draft") as advance:
         for step in range(1, steps + 1):
             for mode, trainer in trainers.items():
                 metrics = trainer.run_step()
-                if "none" in trainers and trainer.cfg.rollout.speculative:
-                    metrics["paired_plain_generate"] = paired_plain_seconds(trainers["none"],
-                                                                            trainer)
+                if trainer.cfg.rollout.speculative:
+                    metrics["paired_plain_generate"] = paired_plain_seconds(plain_engine, trainer)
                 logs[mode].log(trainer.step, metrics)
                 runs[mode].append({"step": trainer.step, **metrics})
                 advance(f"{mode}: {console_line(metrics)}")
@@ -102,12 +104,27 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
     return runs
 
 
-def paired_plain_seconds(plain, speculative) -> float:
-    """Seconds ``plain``'s engine takes to answer the prompts of ``speculative``'s last step
+def paired_plain_engine(trainers: dict):
+    """The plain engine that times the speculative modes' answers: `none`'s, else one over the
+    first speculative mode's rollout policy, as that mode's trainer would make it plain (None
+    where no mode speculates)."""
+    if "none" in trainers:
+        return trainers["none"].engine
+    spec = next((t for t in trainers.values() if t.cfg.rollout.speculative), None)
+    if spec is None:
+        return None
+    from cospec.rollout.engine import GenerationEngine
+
+    return GenerationEngine(spec.rollout_policy, batch_size=spec.cfg.sampling.batch_size,
+                            stop_ids=spec.data.tokenizer.stop_ids, compile=spec.cfg.rollout.compile)
+
+
+def paired_plain_seconds(plain_engine, speculative) -> float:
+    """Seconds ``plain_engine`` takes to answer the prompts of ``speculative``'s last step
     with responses of exactly its answers' lengths (stop ids ignored, each row cut there): what
     plain decoding costs for the same work (docs/design.md, "Paired speedups")."""
     answers = speculative.last_batch.completions
-    result = plain.engine.generate([c.prompt for c in answers], speculative.rollout_sampling(),
+    result = plain_engine.generate([c.prompt for c in answers], speculative.rollout_sampling(),
                                    seeds=list(range(len(answers))),
                                    response_lengths=[len(c.tokens) for c in answers])
     return result.seconds

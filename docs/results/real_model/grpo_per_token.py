@@ -41,12 +41,12 @@ def main() -> None:
                        "train_policy": mean(lambda s: s["time"]["train_policy"]),
                        "co_train": mean(lambda s: s["time"]["train_draft"]),
                        "tokens": mean(lambda s: s["num_tokens"])}
-    plain = means["none"]
+    plain = means.get("none")  # a run without plain decoding has only the paired ratios
     for mode, m in means.items():
         share = m["co_train"] / m["step"]
         line = ", ".join(f"{k} {v:.2f}" for k, v in m.items())
         print(f"{mode}: steps {first}+ means: {line}, co-train share {share:.1%}")
-        if mode == "none":
+        if mode == "none" or plain is None:
             continue
         per_tok = lambda x, key: x[key] / x["tokens"]  # noqa: E731
         print(f"{mode}: per answer token: rollouts "

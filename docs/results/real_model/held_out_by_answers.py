@@ -55,9 +55,11 @@ def main(out: str, runs: list[str]) -> None:
         ax.set(title=f"TTT step {k + 1}", xlabel="share of the run's steps", xlim=(0, 1.02))
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("held-out acceptance (1 - TV)")
-    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=len(curves),
+    # at most three names a legend row, below the panels: a single row of five ran off the figure
+    rows = -(-len(curves) // 3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="lower center", ncol=min(len(curves), 3),
                frameon=False)
-    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.tight_layout(rect=(0, 0.07 * rows + 0.03, 1, 1))
     fig.savefig(out, dpi=110)
     print(f"wrote {out}")
 
