@@ -164,6 +164,30 @@ def test_a_steps_draft_acceptance_is_drafts_accepted_over_drafts_judged():
     assert m["accept_length"] == (3 + 5 + 1 + 1) / 4
 
 
+def test_a_familys_tau_is_its_tokens_over_its_steps_as_the_overall_tau_is():
+    """Row a (add) takes one step of 5 tokens, row b (add) four steps of 1, row c (mul) two
+    steps of 3 and 1: the add family's tau is 9 / 5, not the mean of its rows' 5 and 1 (which
+    would read 3, above the overall 13 / 7 that the same rows make)."""
+    from types import SimpleNamespace
+
+    from cospec.rl.step_metrics import speculation_metrics
+    from cospec.rollout.speculation_stats import SpeculationStats
+
+    st = SpeculationStats(reached=[0] * 4, accepted=[0] * 4)
+    counts = [[0] * 4 for _ in range(3)]
+    st.add_step(4, [4, 0, 2], counts)
+    for _ in range(3):
+        st.add_step(4, [0], counts[1:2])
+    st.add_step(4, [0], counts[2:3])
+    st.set_rows(counts)
+    families = [SimpleNamespace(family=f) for f in ("add", "add", "mul")]
+    m = speculation_metrics(SimpleNamespace(stats=st, examples=families), {"generate": 1.0})
+    assert m["accept_length"] == 13 / 7
+    assert m["accept_length_by_family"] == {"add": 9 / 5, "mul": 4 / 2}
+    assert st.per_row_accept_length == [5.0, 1.0, 2.0]  # each row's own ratio is still there
+    assert m["acceptance_by_family"] == {"add": 4 / 8, "mul": 2 / 4}  # drafts accepted / judged
+
+
 def test_the_stale_draft_experiment_keeps_each_modes_draft_as_the_run_left_it(report):
     """frozen's is the offline draft untouched; the co-trained one has moved; plain has none."""
     from cospec.models.draft_checkpoint import load_draft

@@ -44,14 +44,9 @@ def speculation_metrics(batch, seconds: dict) -> dict:
     """tau and acceptance overall, per position and per task family; overshoot by position; and
     the cost account: draft-training time against the rollout time speculation saved."""
     st = batch.stats
-    fam: dict[str, list[float]] = {}
-    for ex, judged, acc, tau in zip(batch.examples, st.per_row_judged, st.per_row_accepted,
-                                    st.per_row_accept_length):
-        f = fam.setdefault(ex.family, [0, 0, 0.0, 0])
-        f[0] += judged
-        f[1] += acc
-        f[2] += tau
-        f[3] += 1
+    fam: dict[str, list[int]] = {}  # family -> the indices of its rows
+    for i, ex in enumerate(batch.examples):
+        fam.setdefault(ex.family, []).append(i)
     judged, accepted = sum(st.reached), sum(st.accepted)
     # Drafts accepted / drafts judged: unlike tau it leaves out the steps an adaptive controller
     # decoded plainly, so those do not dilute it (it still weighs the positions as judged, and
@@ -59,8 +54,9 @@ def speculation_metrics(batch, seconds: dict) -> dict:
     m = {"accept_length": st.accept_length,
          "acceptance": accepted / judged if judged else float("nan"),
          "acceptance_by_position": st.acceptance_by_position,
-         "acceptance_by_family": {k: v[1] / v[0] if v[0] else float("nan") for k, v in sorted(fam.items())},
-         "accept_length_by_family": {k: v[2] / v[3] for k, v in sorted(fam.items())},
+         "acceptance_by_family": {k: _ratio(st.per_row_accepted, st.per_row_judged, rows)
+                                  for k, rows in sorted(fam.items())},
+         "accept_length_by_family": {k: st.pooled_accept_length(rows) for k, rows in sorted(fam.items())},
          "overshoot_by_position": st.overshoot_by_position,
          "gamma_counts": {str(k): v for k, v in sorted(st.gamma_counts.items())}}
     if st.plain_decode_estimate_seconds is not None:
@@ -81,3 +77,9 @@ def console_line(m: dict) -> str:
     if m.get("draft_nonfinite_skipped"):  # co-training refused some non-finite updates
         line += f" draft updates skipped (non-finite) {m['draft_nonfinite_skipped']}"
     return line
+
+
+def _ratio(numerators: list[int], denominators: list[int], rows: list[int]) -> float:
+    """sum of numerators over sum of denominators at ``rows`` (nan where that is 0)."""
+    den = sum(denominators[i] for i in rows)
+    return sum(numerators[i] for i in rows) / den if den else float("nan")

@@ -13,7 +13,11 @@ class SpeculationStats:
 
     accept_length (tau): tokens produced per row per policy decode forward (prefills excluded;
         a step at G = 0 produces 1); counts all k+1 tokens of a step, also those a finishing row
-        drops. per_row_accept_length: the same for each completion, in prompt order.
+        drops. per_row_steps / per_row_tokens: each completion's steps and those tokens, in
+        prompt order; a group's tau is its tokens over its steps (`pooled_accept_length`), as
+        the overall one is, not the mean of its rows' ratios (which weighs a short row's few
+        steps as much as a long row's many, and reads high). per_row_accept_length: each
+        completion's own ratio.
     acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
     per_row_judged / per_row_accepted: drafted tokens of each completion that the policy judged
         (those up to the first rejection) and accepted; their ratio is the row's acceptance.
@@ -37,6 +41,8 @@ class SpeculationStats:
     reached: list[int] = field(default_factory=list)
     accepted: list[int] = field(default_factory=list)
     gamma_counts: dict[int, int] = field(default_factory=dict)
+    per_row_steps: list[int] = field(default_factory=list)
+    per_row_tokens: list[int] = field(default_factory=list)
     per_row_accept_length: list[float] = field(default_factory=list)
     per_row_judged: list[int] = field(default_factory=list)
     per_row_accepted: list[int] = field(default_factory=list)
@@ -78,6 +84,8 @@ class SpeculationStats:
 
     def set_rows(self, row_counts: list[list[int]]) -> None:
         """The per-row figures from each completion's counts (`add_step`), in prompt order."""
+        self.per_row_steps = [c[0] for c in row_counts]
+        self.per_row_tokens = [c[1] for c in row_counts]
         self.per_row_accept_length = [c[1] / max(c[0], 1) for c in row_counts]
         self.per_row_judged = [c[2] for c in row_counts]
         self.per_row_accepted = [c[3] for c in row_counts]
@@ -91,6 +99,12 @@ class SpeculationStats:
     @property
     def accept_length(self) -> float:
         return self.step_tokens / max(self.row_steps, 1)
+
+    def pooled_accept_length(self, rows) -> float:
+        """tau of the completions ``rows`` (indices in prompt order) together: their tokens over
+        their steps (nan where they took no step)."""
+        steps = sum(self.per_row_steps[i] for i in rows)
+        return sum(self.per_row_tokens[i] for i in rows) / steps if steps else float("nan")
 
     @property
     def acceptance_by_position(self) -> list[float]:
