@@ -110,9 +110,9 @@ class DraftConfig:
     #: mixed precision of the draft's training forwards (offline and co-training) and of
     #: offline training's policy forward that makes its targets: "" (fp32) or "bfloat16"
     #: (torch.autocast; weights and optimizer state stay fp32, the trunk + branch attention and
-    #: the losses stay fp32). Halves the cost on GPUs and AMX CPUs (a SmolLM2 target forward 3x
-    #: less, the same expected tau to 3 decimals); 30x dearer on CPUs without bf16 matmul units
-    #: (docs/results/real_model.md)
+    #: the losses stay fp32). Halves the cost on GPUs and AMX CPUs (a recomputed SmolLM2 batch
+    #: 1.6x cheaper, the same expected tau to 3 decimals); 30x dearer on CPUs without bf16
+    #: matmul units (docs/results/real_model.md)
     autocast: str = ""
     #: on a CPU, offline and co-training batches are padded to a multiple of this many tokens
     #: (one untrained sequence appended; 0 or 1 = off; never on a GPU or under cp): there each
