@@ -140,6 +140,36 @@ def test_stale_draft_experiment_writes_its_json_and_plots(tmp_path):
         "none", "frozen", "cotrain-tv"}
 
 
+def test_the_paired_plain_engine_is_nones_else_a_plain_one_over_a_speculative_modes_policy():
+    from types import SimpleNamespace
+
+    import torch
+
+    from cospec.config import resolve
+    from cospec.experiments.stale_draft import paired_plain_engine
+    from cospec.models.llama import Transformer
+    from cospec.rollout.engine import GenerationEngine
+    from cospec.rollout.speculative import SpeculativeEngine
+
+    cfg = resolve("tiny", overrides=["sampling.batch_size=3"])
+    torch.manual_seed(0)
+    policies = [Transformer(cfg.model).eval() for _ in range(2)]
+
+    def trainer(speculative: bool, policy, engine=None):
+        mode_cfg = SimpleNamespace(rollout=SimpleNamespace(speculative=speculative, compile=False),
+                                   sampling=cfg.sampling)
+        return SimpleNamespace(cfg=mode_cfg, rollout_policy=policy, engine=engine,
+                               data=SimpleNamespace(tokenizer=SimpleNamespace(stop_ids=(2,))))
+
+    none_engine = object()
+    both = {"none": trainer(False, policies[0], none_engine), "frozen": trainer(True, policies[1])}
+    assert paired_plain_engine(both) is none_engine
+    engine = paired_plain_engine({"frozen": trainer(True, policies[1]), "cotrain": trainer(True, policies[0])})
+    assert type(engine) is GenerationEngine and not isinstance(engine, SpeculativeEngine)
+    assert engine.model is policies[1] and engine.batch_size == 3  # the first speculative mode's
+    assert paired_plain_engine({"other": trainer(False, policies[0])}) is None  # none speculates
+
+
 def test_bench_rollout_measures_each_draft_kind_side_by_side(tmp_path, capsys):
     """`--drafts eagle3,block`: one row per draft kind and batch size (a ``draft`` field), each
     draft trained in its own directory, and the acceptance by task family of each. The rollout.*

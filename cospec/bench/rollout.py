@@ -294,9 +294,8 @@ def acceptance_by_family(run: _BenchInputs, draft, *, per_family: int = 16, seed
     out = {}
     for f in families:
         rows = [i for i, e in enumerate(examples) if e.family == f]
-        judged = sum(stats.per_row_judged[i] for i in rows)
         out[f] = {"accept_length": stats.pooled_accept_length(rows),
-                  "acceptance": sum(stats.per_row_accepted[i] for i in rows) / max(judged, 1),
+                  "acceptance": stats.pooled_acceptance(rows),
                   "num_prompts": len(rows)}
     return out
 

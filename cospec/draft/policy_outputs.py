@@ -21,10 +21,11 @@ read's matmul is T x C x Vd (6 GFLOP for a 640-token batch), a fraction of the d
 Without a reduced head the logits are kept as they are.
 
 The policy's forward runs under ``draft.autocast``: in bf16 there, as the rollouts' bf16 policy
-and the GRPO step's forward compute the p the draft meets; on an AMX CPU a recomputed SmolLM2
-batch of ~640 tokens reads in 0.39 s instead of 0.61-0.64 s in fp32 (the forward alone ~0.22 s
-instead of ~0.65 s), and the 8,192-answer draft's expected tau on 512 held-out answers reads
-2.587 against targets computed either way (docs/results/real_model.md).
+and the GRPO step's forward compute the p the draft meets (with a `PolicyHeadRows` the head's
+columns are then an fp32 matmul over that forward's hidden state, the bucket its bf16 logits').
+On an AMX CPU a recomputed SmolLM2 batch of ~640 tokens reads in 0.39 s instead of 0.61-0.64 s
+in fp32, and the 8,192-answer draft's expected tau on 512 held-out answers reads 2.587 against
+targets computed either way (docs/results/real_model.md).
 
 Kept and recomputed batches go through the same read (`KeptOutputs.batch`), so they give the same
 batches bit for bit and, on the same device and build, the same draft (tests/test_policy_outputs.py).

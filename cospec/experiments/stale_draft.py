@@ -106,8 +106,9 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
 
 def paired_plain_engine(trainers: dict):
     """The plain engine that times the speculative modes' answers: `none`'s, else one over the
-    first speculative mode's rollout policy, as that mode's trainer would make it plain (None
-    where no mode speculates)."""
+    first speculative mode's rollout policy, as `GRPOTrainer._make_engine` makes a plain one
+    (None where no mode speculates). A new engine's first timing includes its warm-up, as
+    `none`'s first step does (grpo_per_token.py skips step 1)."""
     if "none" in trainers:
         return trainers["none"].engine
     spec = next((t for t in trainers.values() if t.cfg.rollout.speculative), None)

@@ -54,8 +54,7 @@ def speculation_metrics(batch, seconds: dict) -> dict:
     m = {"accept_length": st.accept_length,
          "acceptance": accepted / judged if judged else float("nan"),
          "acceptance_by_position": st.acceptance_by_position,
-         "acceptance_by_family": {k: _ratio(st.per_row_accepted, st.per_row_judged, rows)
-                                  for k, rows in sorted(fam.items())},
+         "acceptance_by_family": {k: st.pooled_acceptance(rows) for k, rows in sorted(fam.items())},
          "accept_length_by_family": {k: st.pooled_accept_length(rows) for k, rows in sorted(fam.items())},
          "overshoot_by_position": st.overshoot_by_position,
          "gamma_counts": {str(k): v for k, v in sorted(st.gamma_counts.items())}}
@@ -78,8 +77,3 @@ def console_line(m: dict) -> str:
         line += f" draft updates skipped (non-finite) {m['draft_nonfinite_skipped']}"
     return line
 
-
-def _ratio(numerators: list[int], denominators: list[int], rows: list[int]) -> float:
-    """sum of numerators over sum of denominators at ``rows`` (nan where that is 0)."""
-    den = sum(denominators[i] for i in rows)
-    return sum(numerators[i] for i in rows) / den if den else float("nan")

@@ -16,8 +16,7 @@ class SpeculationStats:
         drops. per_row_steps / per_row_tokens: each completion's steps and those tokens, in
         prompt order; a group's tau is its tokens over its steps (`pooled_accept_length`), as
         the overall one is, not the mean of its rows' ratios (which weighs a short row's few
-        steps as much as a long row's many, and reads high). per_row_accept_length: each
-        completion's own ratio.
+        steps as much as a long row's many). per_row_accept_length: each completion's own ratio.
     acceptance_by_position[j]: P(draft position j+1 accepted | positions <= j accepted).
     per_row_judged / per_row_accepted: drafted tokens of each completion that the policy judged
         (those up to the first rejection) and accepted; their ratio is the row's acceptance.
@@ -43,7 +42,6 @@ class SpeculationStats:
     gamma_counts: dict[int, int] = field(default_factory=dict)
     per_row_steps: list[int] = field(default_factory=list)
     per_row_tokens: list[int] = field(default_factory=list)
-    per_row_accept_length: list[float] = field(default_factory=list)
     per_row_judged: list[int] = field(default_factory=list)
     per_row_accepted: list[int] = field(default_factory=list)
     draft_seconds: float = 0.0
@@ -86,7 +84,6 @@ class SpeculationStats:
         """The per-row figures from each completion's counts (`add_step`), in prompt order."""
         self.per_row_steps = [c[0] for c in row_counts]
         self.per_row_tokens = [c[1] for c in row_counts]
-        self.per_row_accept_length = [c[1] / max(c[0], 1) for c in row_counts]
         self.per_row_judged = [c[2] for c in row_counts]
         self.per_row_accepted = [c[3] for c in row_counts]
 
@@ -100,11 +97,19 @@ class SpeculationStats:
     def accept_length(self) -> float:
         return self.step_tokens / max(self.row_steps, 1)
 
+    @property
+    def per_row_accept_length(self) -> list[float]:
+        return [tokens / max(steps, 1) for tokens, steps in zip(self.per_row_tokens, self.per_row_steps)]
+
     def pooled_accept_length(self, rows) -> float:
         """tau of the completions ``rows`` (indices in prompt order) together: their tokens over
         their steps (nan where they took no step)."""
-        steps = sum(self.per_row_steps[i] for i in rows)
-        return sum(self.per_row_tokens[i] for i in rows) / steps if steps else float("nan")
+        return _pooled(self.per_row_tokens, self.per_row_steps, rows)
+
+    def pooled_acceptance(self, rows) -> float:
+        """Acceptance of the completions ``rows`` together: their drafts accepted over their
+        drafts judged (nan where none was judged)."""
+        return _pooled(self.per_row_accepted, self.per_row_judged, rows)
 
     @property
     def acceptance_by_position(self) -> list[float]:
@@ -114,3 +119,8 @@ class SpeculationStats:
 @dataclass
 class SpeculativeResult(GenerationResult):
     stats: SpeculationStats = field(default_factory=SpeculationStats)
+
+
+def _pooled(numerators: list[int], denominators: list[int], rows) -> float:
+    den = sum(denominators[i] for i in rows)
+    return sum(numerators[i] for i in rows) / den if den else float("nan")

@@ -11,6 +11,8 @@ WEIGHTS: comma-separated draft.anchor_weight values (0 = the control: the same f
 uniform weights). SEEDS: the prompt sets of the tau check (`draft_tau_check.py`'s). The
 overrides set the fine-tune (draft.train_steps, draft.lr, draft.num_train_prompts, ...) and must
 name the fields the answers in the draft's out_dir were sampled with.
+Since stop 51 the policy's targets follow draft.autocast (bf16 in the recipe); this script's
+logs were made with fp32 targets (add draft.autocast= to the overrides to compute them so).
 """
 import sys
 from pathlib import Path

@@ -83,7 +83,8 @@ def make_data(n: int, path: str) -> None:
     from cospec.models.loading import load_pretrained, load_tokenizer, with_checkpoint_model
 
     cfg = with_checkpoint_model(resolve("smollm2-math", None, [
-        f"draft.num_train_prompts={n}", "rollout.dtype=float32", "draft.freeze_embedding=true"]))
+        f"draft.num_train_prompts={n}", "rollout.dtype=float32", "draft.freeze_embedding=true",
+        "draft.autocast="]))  # fp32 targets, as policy_batches made them before stop 51
     tok = load_tokenizer(cfg.model)
     policy = load_pretrained(cfg.model, tok).eval()
     t0 = time.time()

@@ -1,8 +1,9 @@
 """SmolLM2 (the recipe): the answers that run to the response cap, where a draft loses most of
-its tau (docs/results/real_model.md, "Why real tau moves with the prompt set"). A draft's
+its tau (docs/results/real_model.md, "Real tau against expected tau"). A draft's
 teacher-forced acceptance and expected tau on capped answers it trained on and on held-out ones,
-beside short answers it trained on; and the share of each capped held-out answer's tokens (and
-of p's mass there) that lies outside the draft's reduced head, where q is 0.
+beside short answers it trained on; and for each capped held-out answer its acceptance at the
+first TTT step, how sure p is, and the share of its tokens (and of p's mass there) that lies
+outside the draft's reduced head, where q is 0.
 
     python docs/results/real_model/capped_answers.py DRAFT_DIR -- overrides
 
@@ -41,11 +42,15 @@ def main(draft_dir: str, overrides: list[str]) -> None:
               f"{[round(a, 3) for a in m['acceptance']]}, expected tau {m['expected_accept_length'][0]:.3f}")
     head = set(draft.vocab_ids.tolist())
     t = cfg.sampling.temperature
-    print("capped held-out answers: tokens outside the head / p's mass outside it")
+    print("capped held-out answers: acceptance at TTT step 1 / p of the likeliest id of the head "
+          "in the answer's second half (mean) / tokens outside the head / p's mass outside it")
     for a in capped_held:
         batch = policy_batches(cfg, policy, [a], vocab_ids=draft.vocab_ids)[0]
-        mass = torch.softmax(batch.policy_logits[batch.loss_mask.bool()] / t, -1)[:, -1].mean()
-        print(f"  {sum(x not in head for x in a.tokens) / len(a.tokens):.3f} / {mass:.3f}")
+        accept = held_out_metrics(draft, [batch], cfg)["acceptance"][0]
+        p = torch.softmax(batch.policy_logits[batch.loss_mask.bool()] / t, -1)
+        top = p[len(p) // 2:, :-1].max(-1).values.mean()  # the head's columns, not the bucket
+        print(f"  {accept:.3f} / {top:.3f} / {sum(x not in head for x in a.tokens) / len(a.tokens):.3f}"
+              f" / {p[:, -1].mean():.3f}")
     for name, answers in (("all", held), ("not capped", [a for a in held if len(a.tokens) < CAP])):
         tokens = [x for a in answers for x in a.tokens]
         print(f"held-out answer tokens outside the head, {name}: "

@@ -41,7 +41,7 @@ def main() -> None:
                        "train_policy": mean(lambda s: s["time"]["train_policy"]),
                        "co_train": mean(lambda s: s["time"]["train_draft"]),
                        "tokens": mean(lambda s: s["num_tokens"])}
-    plain = means.get("none")  # a run without plain decoding has only the paired ratios
+    plain = means.get("none")  # a run without the none mode has only the paired ratios
     for mode, m in means.items():
         share = m["co_train"] / m["step"]
         line = ", ".join(f"{k} {v:.2f}" for k, v in m.items())

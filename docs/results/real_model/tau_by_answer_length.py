@@ -1,8 +1,8 @@
 """SmolLM2 (the recipe): a draft's expected tau on held-out answers, by the answer's length.
 Tau pools tokens over steps, so a few long answers weigh as much as many short ones: the
 answers that run to the response cap (384 tokens) are ~2% of the answers and ~13% of the
-tokens. Are they easier or harder to draft? (docs/results/real_model.md, "Why real tau moves
-with the prompt set")
+tokens. Are they easier or harder to draft? (docs/results/real_model.md, "Real tau against
+expected tau")
 
     python docs/results/real_model/tau_by_answer_length.py NUM_ANSWERS DRAFT_DIR -- overrides
 
