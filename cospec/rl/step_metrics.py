@@ -76,4 +76,3 @@ def console_line(m: dict) -> str:
     if m.get("draft_nonfinite_skipped"):  # co-training refused some non-finite updates
         line += f" draft updates skipped (non-finite) {m['draft_nonfinite_skipped']}"
     return line
-
