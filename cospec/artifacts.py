@@ -52,7 +52,7 @@ _RUN_DRAFT_FIELDS = ("answer_batch_size", "num_eval_prompts", "eval_every", "che
                      "keep_policy_outputs", "token_bucket", "fit_proposal_scale")
 #: Draft fields added after drafts were saved: left out of the fingerprint at their default, so
 #: those drafts are still reused; set otherwise, they make another draft.
-_LATER_DRAFT_FIELDS = ("layer_from_policy", "anchor_weight")
+_LATER_DRAFT_FIELDS = ("layer_from_policy", "anchor_weight", "eagle3_layers")
 
 
 def sft_fields(cfg: RunConfig) -> dict:

@@ -152,10 +152,12 @@ def test_how_draft_train_holds_its_data_is_not_part_of_the_draft():
 
 
 def test_a_draft_field_added_later_changes_no_fingerprint_at_its_default():
-    """`draft.layer_from_policy` and `draft.anchor_weight` came after drafts were saved: at their
-    defaults they are left out of the fields, so those drafts are still reused; set, they make
-    another draft."""
+    """`draft.layer_from_policy`, `draft.anchor_weight` and `draft.eagle3_layers` came after
+    drafts were saved: at their defaults they are left out of the fields, so those drafts are
+    still reused; set, they make another draft."""
     cfg = resolve("tiny")
+    assert "eagle3_layers" not in draft_fields(cfg)["draft"]
+    assert draft_fields(apply(cfg, {"draft": {"eagle3_layers": 2}}))["draft"]["eagle3_layers"] == 2
     assert "layer_from_policy" not in draft_fields(cfg)["draft"]
     assert draft_fields(apply(cfg, {"draft": {"layer_from_policy": True}}))["draft"]["layer_from_policy"]
     assert "anchor_weight" not in draft_fields(cfg)["draft"]

@@ -73,10 +73,11 @@ def test_compiled_plain_decoding_emits_the_eager_engines_tokens(policy, temperat
     assert forward.num_eager_calls > len(prompts) - 3
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "block"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-deep", "block"])
 def test_compiled_speculation_emits_the_eager_engines_tokens(policy, kind):
     torch.manual_seed(1)
-    draft = (Eagle3Draft if kind == "eagle3" else BlockDraft).from_policy(policy).eval()
+    draft = (BlockDraft.from_policy(policy) if kind == "block" else
+             Eagle3Draft.from_policy(policy, num_layers=2 if kind == "eagle3-deep" else 1)).eval()
     prompts = make_prompts(PROMPT_LENGTHS)
     sampling = SamplingConfig(temperature=1.0, max_new_tokens=CAPACITY)
     (eager, compiled), compiled_engine = run_both(
@@ -88,7 +89,7 @@ def test_compiled_speculation_emits_the_eager_engines_tokens(policy, kind):
         assert (b.tokens, b.finish_reason) == (a.tokens, a.finish_reason), f"prompt {a.index}"
     assert compiled.stats.acceptance_by_position == eager.stats.acceptance_by_position
     assert forward.num_compiled_calls > 0  # verification
-    if kind == "eagle3":  # and the draft's one-token steps (a block draft's stay eager)
+    if kind != "block":  # and the draft's one-token steps (a block draft's stay eager)
         assert compiled_engine.drafter.forward.num_compiled_calls > 0
 
 

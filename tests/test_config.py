@@ -47,6 +47,7 @@ def test_yaml_and_toml_files_are_laid_over_the_recipe(tmp_path):
     ("device=tpu", "device"),
     ("parallel.cp=0", "parallel.cp"),
     ("parallel.dp=0", "parallel.dp"),
+    ("draft.eagle3_layers=0", "draft.eagle3_layers"),
 ])
 def test_invalid_values_raise_an_error_naming_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
@@ -93,6 +94,8 @@ def test_a_setting_its_switch_turns_off_is_reported_not_silently_ignored():
         "rollout.probe_every=3 has no effect without rollout.speculative=true rollout.adaptive=true",
         "draft.cotrain_lr=0.1 has no effect without draft.mode=cotrain",
         "parallel.microbatches=2 has no effect without parallel.pp > 1"]
+    assert no_effect_warnings(resolve("tiny", overrides=["draft.kind=block", "draft.eagle3_layers=2"])) \
+        == ["draft.eagle3_layers=2 has no effect without draft.kind=eagle3"]
     # switched on, or left at the default, they say nothing
     assert no_effect_warnings(resolve("smollm2-math")) == []
     assert no_effect_warnings(resolve("tiny", overrides=[

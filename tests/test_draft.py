@@ -60,9 +60,10 @@ def packed_batch(policy, draft, lengths, seed=0):
 
 
 @torch.no_grad()
-def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy, num_layers):
     torch.manual_seed(1)
-    draft = Eagle3Draft.from_policy(policy).eval()
+    draft = Eagle3Draft.from_policy(policy, num_layers=num_layers).eval()
     lengths, steps = [9, 5, 12], 4
     batch = packed_batch(policy, draft, lengths)
     feat = entry_features(draft, batch.taps, batch.cu_seqlens)
@@ -88,11 +89,12 @@ def test_ttt_unroll_equals_what_the_draft_computes_while_decoding(policy):
                     step_logits, h = out[0, -1], state[0, -1]
 
 
-def test_a_catch_up_computes_the_head_only_at_each_rows_last_entry(policy):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_a_catch_up_computes_the_head_only_at_each_rows_last_entry(policy, num_layers):
     """The engine draws q_1 from each row's last caught-up entry: logits there equal the full
     call's, and the cache and hidden states are written as by the full call."""
     torch.manual_seed(2)
-    draft = Eagle3Draft.from_policy(policy).eval()
+    draft = Eagle3Draft.from_policy(policy, num_layers=num_layers).eval()
     drafter = make_drafter(draft)
     width = torch.tensor([6, 1, 4])
     tokens = torch.randint(0, CFG.vocab_size, (3, 6))
@@ -156,15 +158,20 @@ def test_ttt_loss_falls_on_a_fixed_policy_and_never_reaches_the_policy():
     assert all(p.grad is None for p in policy.parameters())
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "lm"])
-def test_saved_draft_loads_back_identical(tmp_path, policy, kind):
-    cfg = resolve("tiny", overrides=[f"draft.kind={kind}"])
-    from cospec.draft.offline import build_draft
+@pytest.mark.parametrize("overrides", [["draft.kind=eagle3"], ["draft.eagle3_layers=2"],
+                                       ["draft.kind=lm"]])
+def test_saved_draft_loads_back_identical(tmp_path, policy, overrides):
+    cfg = resolve("tiny", overrides=overrides)
+    from cospec.draft.offline import build_draft, draft_fits
 
-    draft = build_draft(cfg, Transformer(cfg.model))
+    policy = Transformer(cfg.model)
+    draft = build_draft(cfg, policy)
     save_draft(draft, tmp_path / "d")
     loaded = load_draft(tmp_path / "d")
-    assert type(loaded) is type(draft)
+    assert type(loaded) is type(draft) and draft_fits(loaded, cfg, policy)
+    if cfg.draft.kind == "eagle3":  # reused only where the config asks for its depth
+        other = resolve("tiny", overrides=[f"draft.eagle3_layers={3 - cfg.draft.eagle3_layers}"])
+        assert len(loaded.layers) == cfg.draft.eagle3_layers and not draft_fits(loaded, other, policy)
     for (n, a), (_, b) in zip(draft.state_dict().items(), loaded.state_dict().items()):
         assert torch.equal(a, b), n
 
@@ -491,22 +498,30 @@ def test_draft_autocast_runs_the_training_forwards_in_bf16_and_updates_like_fp32
     assert torch.nn.functional.cosine_similarity(delta16, delta32, dim=0) > 0.99
 
 
-def test_a_draft_layer_copied_from_the_policy_starts_as_the_layer_after_the_high_tap(policy):
+@pytest.mark.parametrize("num_layers", [1, 2])
+def test_draft_layers_copied_from_the_policy_start_as_the_layers_after_the_high_tap(policy,
+                                                                                   num_layers):
     """With `layer_from_policy` and the embedding's columns of q, k, v silenced, the draft's hidden
-    at every entry is exactly the policy's next layer applied to the high tap: the policy's own
-    tap of that layer is the oracle."""
+    at every entry is exactly the policy's layers hi + 1 .. hi + num_layers applied to the high
+    tap: the policy's own tap of its layer hi + num_layers is the oracle."""
     torch.manual_seed(1)
-    draft = Eagle3Draft.from_policy(policy, layer_from_policy=True)
-    hi = max(draft.tap_layers)
+    draft = Eagle3Draft.from_policy(policy, num_layers=num_layers, layer_from_policy=True)
+    last = max(draft.tap_layers) + num_layers
     tokens = torch.randint(4, CFG.vocab_size, (2, 9))
     with torch.no_grad():
-        out = policy(tokens, tap_layers=(*draft.tap_layers, hi + 1))
+        out = policy(tokens, tap_layers=(*draft.tap_layers, last))
         for name in ("q_proj", "k_proj", "v_proj"):
             getattr(draft.layers["0"].self_attn, name).weight[:, :CFG.hidden_size] = 0
         hidden = draft(tokens, draft.project(out.taps)).hidden
-    torch.testing.assert_close(hidden, out.taps[hi + 1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(hidden, out.taps[last], atol=1e-5, rtol=1e-5)
     # the embedding and head copies stay as before
     assert torch.equal(draft.embed_tokens.weight, policy.embed_tokens.weight)
+
+
+def test_a_draft_deeper_than_the_layers_after_the_high_tap_cannot_copy_them(policy):
+    # taps (1, 2, 3) of 6 layers leave two layers after the high tap, not three
+    with pytest.raises(ValueError, match="copies the 3 layer"):
+        Eagle3Draft.from_policy(policy, num_layers=3, layer_from_policy=True)
 
 
 def test_layer_from_policy_is_for_an_eagle3_draft_of_the_policys_mlp_size():

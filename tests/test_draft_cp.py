@@ -32,8 +32,8 @@ def _setup(kind):
         draft = BlockDraft.from_policy(policy.eval(), num_layers=2, correction=True)
         with torch.no_grad():
             draft.correction.weight.normal_(std=0.1)
-    else:
-        draft = Eagle3Draft.from_policy(policy.eval())
+    else:  # "eagle3-deep": EAGLE-3's layer and two more, each with its own ring pass
+        draft = Eagle3Draft.from_policy(policy.eval(), num_layers=3 if kind == "eagle3-deep" else 1)
     gen = torch.Generator().manual_seed(1)
     tokens = torch.randint(4, CFG.vocab_size, (sum(LENGTHS),), generator=gen)
     cu = torch.tensor([0] + list(torch.tensor(LENGTHS).cumsum(0)))
@@ -65,7 +65,7 @@ def _cp_errors(rank, num_ranks, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("cp,kind", [(2, "eagle3"), (4, "eagle3"), (2, "block")])
+@pytest.mark.parametrize("cp,kind", [(2, "eagle3"), (4, "eagle3-deep"), (2, "block")])
 def test_ttt_loss_and_draft_gradients_under_cp_equal_cp1(cp, kind):
     for rank, errs in enumerate(spawn(_cp_errors, cp, kind, timeout_s=60)):
         assert errs["loss"] <= 1e-9 and errs["grads"] <= 1e-9, f"cp={cp} rank {rank}: {errs}"

@@ -158,6 +158,13 @@ def test_round_trip_computes_bit_identical_features_logits_and_hidden(tmp_path):
     assert_same_draft(draft, back, policy)
 
 
+def test_a_deeper_draft_is_refused_rather_than_exported_without_its_further_layers(tmp_path):
+    deep = Eagle3Draft(CFG, num_layers=2)
+    with pytest.raises(ValueError, match="one decoder layer.*draft.eagle3_layers"):
+        export_eagle3(deep, tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
 @torch.no_grad()
 def test_the_proposal_scale_is_folded_into_the_exported_head(tmp_path):
     """The engines draw from the head's logits: the export's must be the scaled ones, k * z."""

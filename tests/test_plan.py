@@ -159,10 +159,11 @@ DRAFT_SHAPE = ["rollout.speculative=true", "draft.mode=cotrain", "model.hidden_s
                "model.num_heads=6", "model.vocab_size=70", "model.intermediate_size=200"]
 
 
-@pytest.mark.parametrize("lengths,steps,head", [([30, 20, 10], 3, 0), ([64], 1, 0),
-                                                ([5, 40, 40, 7], 4, 0), ([30, 20, 10], 3, 24)])
-def test_the_draft_ttt_formula_is_what_its_unroll_saves_for_backward(lengths, steps, head):
-    cfg = resolve("tiny", overrides=DRAFT_SHAPE)
+@pytest.mark.parametrize("lengths,steps,head,layers", [
+    ([30, 20, 10], 3, 0, 1), ([64], 1, 0, 1), ([5, 40, 40, 7], 4, 0, 1), ([30, 20, 10], 3, 24, 1),
+    ([5, 40, 40, 7], 4, 0, 2), ([30, 20, 10], 3, 24, 3)])  # deeper drafts
+def test_the_draft_ttt_formula_is_what_its_unroll_saves_for_backward(lengths, steps, head, layers):
+    cfg = resolve("tiny", overrides=[*DRAFT_SHAPE, f"draft.eagle3_layers={layers}"])
     from cospec.draft.offline import build_draft
 
     draft = build_draft(cfg, Transformer(cfg.model))
@@ -212,8 +213,8 @@ def test_under_cp_each_rank_saves_the_ring_formula_for_its_shard(kind):
     from cospec.parallel.zigzag import ZigzagLayout
 
     lengths, steps = [30, 20, 11], 3
-    overrides = [] if kind == "eagle3" else ["draft.kind=block", "draft.block_layers=2",
-                                             "draft.block_correction=true"]
+    overrides = (["draft.eagle3_layers=2"] if kind == "eagle3" else
+                 ["draft.kind=block", "draft.block_layers=2", "draft.block_correction=true"])
     cfg = resolve("tiny", overrides=[*DRAFT_SHAPE, *overrides])
     draft = build_draft(cfg, Transformer(cfg.model))
     layout = ZigzagLayout.build(torch.tensor([0, 30, 50, 61]), 2)

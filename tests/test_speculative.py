@@ -52,6 +52,7 @@ def drafts_for(policy):
     drafts (random)."""
     torch.manual_seed(1)
     eagle = Eagle3Draft.from_policy(policy).eval()
+    deep = Eagle3Draft.from_policy(policy, num_layers=2).eval()  # EAGLE-3's layer and one more
     # a reduced head over every third id (and EOS): tokens outside it are never drafted
     reduced = Eagle3Draft.from_policy(policy, vocab_ids=torch.tensor(sorted({EOS, *range(4, 50, 3)})))
     noisy = make_policy(policy.config, seed=0)
@@ -64,7 +65,8 @@ def drafts_for(policy):
     with torch.no_grad():
         corrected.correction.weight.normal_(std=0.1)
     block_reduced = BlockDraft.from_policy(policy, vocab_ids=reduced.vocab_ids)
-    return {"eagle3": eagle, "eagle3-reduced": reduced.eval(), "lm": noisy, "self": policy,
+    return {"eagle3": eagle, "eagle3-deep": deep, "eagle3-reduced": reduced.eval(), "lm": noisy,
+            "self": policy,
             "block": block.eval(), "block-corrected": corrected.eval(),
             "block-reduced": block_reduced.eval()}
 
@@ -72,8 +74,8 @@ def drafts_for(policy):
 PROMPT_LENGTHS = [1, 4, 12, 7, 2, 9, 5, 3, 15, 6, 8]
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "eagle3-reduced", "lm", "self", "block",
-                                  "block-corrected", "block-reduced"])
+@pytest.mark.parametrize("kind", ["eagle3", "eagle3-deep", "eagle3-reduced", "lm", "self",
+                                  "block", "block-corrected", "block-reduced"])
 @pytest.mark.parametrize("gamma,adaptive", [(1, False), (4, False), (4, True)])
 def test_greedy_speculation_equals_greedy_plain_decoding_token_for_token(policy, kind, gamma,
                                                                          adaptive):
@@ -171,9 +173,10 @@ def fit_tiny_draft(policy, draft, steps=60):
     return draft.eval(), metrics
 
 
-def trained_tiny_draft(policy, vocab_ids=None):
+def trained_tiny_draft(policy, vocab_ids=None, num_layers=1):
     torch.manual_seed(2)
-    return fit_tiny_draft(policy, Eagle3Draft.from_policy(policy, vocab_ids=vocab_ids))[0]
+    return fit_tiny_draft(policy, Eagle3Draft.from_policy(policy, vocab_ids=vocab_ids,
+                                                          num_layers=num_layers))[0]
 
 
 def chi_square_p_value(observed, expected):
@@ -202,6 +205,7 @@ SAMPLES_PER_PROMPT = 3000
     ("trained-reduced", 3, 1.0, 1.0),
     ("trained-reduced", 2, 0.7, 0.9),
     ("trained-reduced-scaled", 3, 1.0, 1.0),
+    ("trained-deep", 3, 1.0, 1.0),
 ])
 def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, gamma, temperature,
                                                                     top_p):
@@ -220,6 +224,7 @@ def test_speculative_samples_follow_the_exact_sequence_distribution(draft_kind, 
     draft = {"trained": lambda: trained_tiny_draft(policy),
              "trained-reduced": lambda: trained_tiny_draft(policy, reduced),
              "trained-reduced-scaled": lambda: trained_tiny_draft(policy, reduced),
+             "trained-deep": lambda: trained_tiny_draft(policy, num_layers=2),
              "random": lambda: Eagle3Draft.from_policy(policy)}[draft_kind]()
     if draft_kind.endswith("scaled"):  # it proposes from softmax(2.5 * logits / T)
         draft.proposal_scale = 2.5

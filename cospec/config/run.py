@@ -84,6 +84,7 @@ def _gated_fields(cfg: RunConfig) -> list[tuple[str, str, bool]]:
     rows.append(("draft.oracle_every", "draft.mode=oracle", d.mode == "oracle"))
     rows += [(f"draft.{n}", "draft.kind=block", d.kind == "block")
              for n in ("block_layers", "block_correction", "block_confidence")]
+    rows.append(("draft.eagle3_layers", "draft.kind=eagle3", d.kind == "eagle3"))
     rows += [(f"parallel.{n}", "parallel.pp > 1", p.pp > 1) for n in ("microbatches", "schedule")]
     rows += [(f"task.{n}", "task.source=math", cfg.task.source == "math")
              for n in ("math_types", "math_levels")]

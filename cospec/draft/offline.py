@@ -77,7 +77,7 @@ def build_draft(cfg: RunConfig, policy: Transformer,
     d = cfg.draft
     torch.manual_seed(d.seed)
     if d.kind == "eagle3":
-        return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers,
+        return Eagle3Draft.from_policy(policy, tap_layers=d.tap_layers, num_layers=d.eagle3_layers,
                                        intermediate_size=d.intermediate_size,
                                        init_from_policy=d.init_from_policy,
                                        layer_from_policy=d.layer_from_policy, vocab_ids=vocab_ids)
@@ -308,7 +308,7 @@ def draft_fits(draft, cfg: RunConfig, policy: Transformer) -> bool:
                                                        or policy.config.intermediate_size)
                 and draft.draft_vocab_size == (d.vocab_size or policy.config.vocab_size))
         if d.kind == "eagle3":
-            return isinstance(draft, Eagle3Draft) and fits
+            return isinstance(draft, Eagle3Draft) and fits and len(draft.layers) == d.eagle3_layers
         return (isinstance(draft, BlockDraft) and fits and len(draft.layers) == d.block_layers
                 and draft.has_correction == d.block_correction
                 and draft.has_confidence == d.block_confidence)

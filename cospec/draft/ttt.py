@@ -30,7 +30,7 @@ from cospec.draft.losses import rejection_posterior, soft_cross_entropy, total_v
 from cospec.models.block_draft import BlockDraft
 from cospec.models.branch_attention import trunk_branch_attention
 from cospec.models.draft import Eagle3Draft, TappedDraft
-from cospec.models.llama import packed_positions, rope_cos_sin
+from cospec.models.llama import apply_rope, packed_positions, rope_cos_sin
 from cospec.models.precision import autocast_off
 
 
@@ -189,26 +189,47 @@ def ttt_steps(draft: TappedDraft, batch: TTTBatch, num_steps: int) -> TTTSteps:
 def ttt_unroll(draft: Eagle3Draft, steps: TTTSteps, cu_seqlens: Tensor,
                attention=trunk_branch_attention) -> list[Tensor]:
     """Draft logits [T, V] of every TTT step. ``attention`` has `trunk_branch_attention`'s
-    signature (context parallel passes the ring version bound to its group)."""
-    layer, cfg = draft.layers["0"], draft.config
+    signature (context parallel passes the ring version bound to its group).
+
+    Every layer of a deeper draft attends the same way: its step-1 keys are its trunk, its keys
+    of steps 2..j at the same anchor its branch (in decoding, each layer's cache holds the same
+    entries as the first's)."""
+    cfg, num_layers = draft.config, len(draft.layers)
+    dtype = draft.embed_tokens.weight.dtype  # the attention's fp32 output comes back to it
     hidden = draft.fc(steps.feat_raw_TF)
-    trunk_k = trunk_v = None
-    branch_k, branch_v, logits = [], [], []
+    trunk = [None] * num_layers  # (k, v) of step 1, per layer
+    branch = [([], []) for _ in range(num_layers)]  # keys and values of steps 2..j, per layer
+
+    def attend(lid: int, j: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        if j == 0:
+            trunk[lid] = (k[0], v[0])
+            out, _ = attention(q[0], *trunk[lid], cu_seqlens)
+        else:
+            branch[lid][0].append(k[0])
+            branch[lid][1].append(v[0])
+            out, _ = attention(q[0], *trunk[lid], cu_seqlens, torch.stack(branch[lid][0]),
+                               torch.stack(branch[lid][1]))
+        return out[None].to(dtype)  # [1, H, T, D]
+
+    logits = []
     for j in range(steps.tokens_JT.shape[0]):  # 0-based: step j + 1 of the paper
         emb = draft.embed_tokens(steps.tokens_JT[j])[None]
-        cos, sin = rope_cos_sin((steps.positions_T + j)[None], cfg)
-        q, k, v = layer.qkv(emb, hidden[None], cos.to(emb.dtype), sin.to(emb.dtype))
-        if j == 0:
-            trunk_k, trunk_v = k[0], v[0]
-            out, _ = attention(q[0], trunk_k, trunk_v, cu_seqlens)
-        else:
-            branch_k.append(k[0])
-            branch_v.append(v[0])
-            out, _ = attention(q[0], trunk_k, trunk_v, cu_seqlens, torch.stack(branch_k),
-                               torch.stack(branch_v))
-        h = layer.finish(hidden[None], out[None].to(emb.dtype))[0]
-        logits.append(draft.lm_head(draft.norm(h)))
-        hidden = h
+        cos, sin = (x.to(dtype) for x in rope_cos_sin((steps.positions_T + j)[None], cfg))
+        first = draft.layers["0"]
+        h = first.finish(hidden[None], attend(0, j, *first.qkv(emb, hidden[None], cos, sin)))
+        for lid in range(1, num_layers):
+            layer = draft.layers[str(lid)]
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = apply_rope(a.q_proj(x).view(1, -1, a.num_heads, a.head_dim).transpose(1, 2), cos, sin)
+            k = apply_rope(a.k_proj(x).view(1, -1, a.num_kv_heads, a.head_dim).transpose(1, 2),
+                           cos, sin)
+            v = a.v_proj(x).view(1, -1, a.num_kv_heads, a.head_dim).transpose(1, 2)
+            out = attend(lid, j, q, k, v)
+            h = h + a.o_proj(out.transpose(1, 2).reshape(1, out.shape[2], -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        hidden = h[0]
+        logits.append(draft.lm_head(draft.norm(hidden)))
     return logits
 
 

@@ -9,7 +9,9 @@ Inputs at draft entry t of a sequence s_0 s_1 ...:
   hidden of step j - 1 at the same anchor (EAGLE-3's training-time test).
 The decoder layer reads ``concat(norm(embed), norm(feature))`` (2C wide) through q/k/v, keeps the
 feature as its residual stream, and its output hidden goes through a norm and an LM head that
-predicts s_{t+1} (whose policy distribution is p at position t).
+predicts s_{t+1} (whose policy distribution is p at position t). A deeper draft
+(``num_layers`` > 1; EAGLE-3 has one) puts plain pre-norm decoder layers between that layer and
+the head; the hidden a later draft step reads is then the last layer's output.
 
 Entry t pairs the feature of position t - 1 with the token of position t (not the feature of t with
 the token t + 1, as the paper writes it): with that shift, entry t sits at position t like the
@@ -30,8 +32,8 @@ from torch import Tensor, nn
 
 from cospec.config import ModelConfig
 from cospec.models.attention import AttentionCallable, sdpa_attention
-from cospec.models.llama import (MASKED_LOGIT, MLP, Attention, RMSNorm, Transformer, apply_rope,
-                                 forward_context)
+from cospec.models.llama import (MASKED_LOGIT, MLP, Attention, DecoderLayer, RMSNorm, Transformer,
+                                 apply_rope, forward_context)
 
 
 def default_tap_layers(num_layers: int) -> tuple[int, int, int]:
@@ -52,7 +54,7 @@ def draft_model_config(policy_cfg: ModelConfig, *, num_layers: int = 1,
 
 
 class DraftDecoderLayer(nn.Module):
-    """EAGLE-3's first (and only) layer: attention over concat(norm(embed), norm(feature))."""
+    """EAGLE-3's first layer: attention over concat(norm(embed), norm(feature))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -184,31 +186,37 @@ class TappedDraft(nn.Module):
 
 class Eagle3Draft(TappedDraft):
     def __init__(self, policy_cfg: ModelConfig, *, tap_layers: tuple[int, ...] = (),
-                 intermediate_size: int = 0, vocab_ids: Tensor | None = None,
+                 num_layers: int = 1, intermediate_size: int = 0, vocab_ids: Tensor | None = None,
                  attn_fn: AttentionCallable = sdpa_attention):
         """vocab_ids: a reduced draft vocabulary (EAGLE-3, Sec. 3.3 of its code release: the head
         covers only the most frequent tokens), the policy ids of the head's rows, strictly
-        increasing; None = the policy's whole vocabulary. q is zero outside it."""
+        increasing; None = the policy's whole vocabulary. q is zero outside it. num_layers:
+        EAGLE-3's layer, then num_layers - 1 plain decoder layers."""
         super().__init__()
+        if num_layers < 1:
+            raise ValueError(f"an eagle3 draft needs at least one layer, got num_layers={num_layers}")
         self._init_inputs(policy_cfg, tap_layers)
-        self.config = draft_model_config(policy_cfg, intermediate_size=intermediate_size)
+        self.config = draft_model_config(policy_cfg, num_layers=num_layers,
+                                         intermediate_size=intermediate_size)
         self.attn_fn = attn_fn
         # Keyed like the policy's layers so `KVCache.for_model` sizes the draft's own cache.
         self.layers = nn.ModuleDict({"0": DraftDecoderLayer(self.config)})
+        for i in range(1, num_layers):
+            self.layers[str(i)] = DecoderLayer(self.config, i)
         self._init_head(vocab_ids)
         Transformer.reset_parameters(self)
 
     @classmethod
     def from_policy(cls, policy: Transformer, *, tap_layers: tuple[int, ...] = (),
-                    intermediate_size: int = 0, init_from_policy: bool = True,
-                    layer_from_policy: bool = False,
+                    num_layers: int = 1, intermediate_size: int = 0,
+                    init_from_policy: bool = True, layer_from_policy: bool = False,
                     vocab_ids: Tensor | None = None) -> "Eagle3Draft":
         """A draft sized for `policy`, on its device and dtype; embedding and head (its rows of the
-        draft vocabulary) copied from it; layer_from_policy: its layer too
+        draft vocabulary) copied from it; layer_from_policy: its layers too
         (`copy_layer_from_policy`)."""
         p = next(policy.parameters())
-        draft = cls(policy.config, tap_layers=tap_layers, intermediate_size=intermediate_size,
-                    vocab_ids=vocab_ids)
+        draft = cls(policy.config, tap_layers=tap_layers, num_layers=num_layers,
+                    intermediate_size=intermediate_size, vocab_ids=vocab_ids)
         if init_from_policy:
             draft.copy_from_policy(policy)
         if layer_from_policy:
@@ -216,7 +224,7 @@ class Eagle3Draft(TappedDraft):
         return draft.to(device=p.device, dtype=p.dtype)
 
     def copy_layer_from_policy(self, policy: Transformer) -> None:
-        """Start the draft's layer as the policy layer that follows the high tap, applied to it.
+        """Start the draft's layers as the policy layers that follow the high tap, applied to it.
 
         fc passes the high tap through unchanged; q, k and v read the feature half of their input
         with that layer's weights (the feature norm takes its input norm's weight); o_proj, the
@@ -224,17 +232,19 @@ class Eagle3Draft(TappedDraft):
         scaled by 0.1. At the start the draft at entry t therefore computes the policy's next
         layer on the feature of t - 1 (a state that predicts s_t, one position early), with its
         own token barely heard; training shifts it (docs/design.md, "Starting the draft's layer
-        from the policy's"). Why it helps: the layer starts from weights that already read and
+        from the policy's"). A deeper draft's further layers are copies of the policy's next
+        ones, so it starts as the policy's layers hi + 1 .. hi + num_layers. Why it helps: the layer starts from weights that already read and
         write the policy's residual stream, not from noise (measured on SmolLM2-135M after the
         same 240 steps: held-out acceptance +0.06-0.07 at every TTT step, tau 1.71 -> 1.88 in
         rollouts; docs/results/real_model.md)."""
-        C, hi = self.config.hidden_size, max(self.tap_layers)
+        C, hi, n = self.config.hidden_size, max(self.tap_layers), len(self.layers)
         src_id = hi + 1
-        if src_id >= policy.config.num_layers:
-            raise ValueError(f"draft.layer_from_policy copies the layer after the high tap, but the "
-                             f"high tap {hi} is the policy's last layer")
-        if str(src_id) not in policy.layers:
-            raise ValueError(f"draft.layer_from_policy copies the policy's layer {src_id}, which "
+        if src_id + n - 1 >= policy.config.num_layers:
+            raise ValueError(f"draft.layer_from_policy copies the {n} layer(s) after the high tap "
+                             f"{hi}, but the policy's last layer is {policy.config.num_layers - 1}")
+        missing = [i for i in range(src_id, src_id + n) if str(i) not in policy.layers]
+        if missing:
+            raise ValueError(f"draft.layer_from_policy copies the policy's layers {missing}, which "
                              "this model (a pipeline stage?) does not hold")
         src, dst = policy.layers[str(src_id)], self.layers["0"]
         if src.mlp.gate_proj.weight.shape != dst.mlp.gate_proj.weight.shape:
@@ -255,6 +265,8 @@ class Eagle3Draft(TappedDraft):
             dst.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
             dst.post_attention_layernorm.weight.copy_(src.post_attention_layernorm.weight)
             dst.mlp.load_state_dict(src.mlp.state_dict())
+            for i in range(1, n):
+                self.layers[str(i)].load_state_dict(policy.layers[str(src_id + i)].state_dict())
 
     def forward(self, tokens_BT: Tensor, feat_BTC: Tensor, *, cu_seqlens: Tensor | None = None,
                 positions_BT: Tensor | None = None, kv_cache=None, cache_rows: Tensor | None = None,
@@ -272,12 +284,15 @@ class Eagle3Draft(TappedDraft):
         ctx, cos, sin = forward_context(self.config, emb, cu_seqlens=cu_seqlens,
                                         positions_BT=positions_BT, kv_cache=kv_cache,
                                         cache_rows=cache_rows, attn_fn=attn_fn or self.attn_fn)
-        layer = self.layers["0"]
-        q, k, v = layer.qkv(emb, feat_BTC, cos, sin)
+        first = self.layers["0"]
+        q, k, v = first.qkv(emb, feat_BTC, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.update(0, k, v, cache_rows, ctx.cache_used)
+        h = first.finish(feat_BTC, ctx.attn_fn(q, k, v, ctx.layout))
+        for i in range(1, len(self.layers)):
+            h = self.layers[str(i)](h, cos, sin, ctx)
+        if kv_cache is not None:  # after every layer wrote at the rows' old lengths
             kv_cache.advance(tokens_BT.shape[1] if num_valid_B is None else num_valid_B, cache_rows)
-        h = layer.finish(feat_BTC, ctx.attn_fn(q, k, v, ctx.layout))
         head_in = h if logits_positions_B is None else \
             h[torch.arange(h.shape[0], device=h.device), logits_positions_B][:, None]
         return DraftOutput(logits=self.lm_head(self.norm(head_in)), hidden=h)

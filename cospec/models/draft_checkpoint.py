@@ -1,8 +1,8 @@
 """Save and load drafts.
 
 - An EAGLE-3 or a block draft: a directory with ``draft.json`` (kind, tap layers, the policy
-  config it was built for, its MLP size, its head's vocabulary size, its proposal scale; a block
-  draft's depth and heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a
+  config it was built for, its depth, its MLP size, its head's vocabulary size, its proposal
+  scale; a block draft's heads) and ``model.safetensors`` (with ``vocab_ids``, the policy ids of a
   reduced head's rows).
 - A standalone draft LM: a plain HF checkpoint (`save_hf`), so transformers can load it as the
   ``assistant_model`` of its assisted generation.
@@ -39,9 +39,9 @@ def save_draft(draft: TappedDraft | Transformer, path: str | Path) -> None:
             "draft_vocab_size": draft.draft_vocab_size,  # its ids: the vocab_ids tensor
             "proposal_scale": draft.proposal_scale,
             "policy_config": dataclasses.asdict(draft.policy_config)}
+    meta["num_layers"] = len(draft.layers)
     if isinstance(draft, BlockDraft):
-        meta.update(num_layers=len(draft.layers), correction=draft.has_correction,
-                    confidence=draft.has_confidence)
+        meta.update(correction=draft.has_correction, confidence=draft.has_confidence)
     state = {k: v.detach().cpu().contiguous() for k, v in draft.state_dict().items()}
     write_checkpoint_directory(path, state, {DRAFT_CONFIG_NAME: meta})
 
@@ -82,8 +82,8 @@ def _tapped_from_meta(meta_path: Path) -> TappedDraft:
         if kind == "block":
             draft = BlockDraft(policy_cfg, num_layers=meta["num_layers"],
                                correction=meta["correction"], confidence=meta["confidence"], **common)
-        elif kind == "eagle3":
-            draft = Eagle3Draft(policy_cfg, **common)
+        elif kind == "eagle3":  # drafts saved before deeper ones existed have one layer
+            draft = Eagle3Draft(policy_cfg, num_layers=meta.get("num_layers", 1), **common)
         else:
             raise CheckpointError(f"{meta_path}: unknown draft kind {kind!r} (eagle3 or block)")
         draft.proposal_scale = _proposal_scale(meta.get("proposal_scale", 1.0), meta_path)

@@ -207,6 +207,11 @@ def export_eagle3(draft: Eagle3Draft, path: str | Path, *, d2t: Tensor | None = 
     over the whole vocabulary or a draft that carries its own reduced vocabulary (``vocab_ids``). max_position_embeddings: the context the engine will serve
     (default: the policy's max_seq_len).
     """
+    if len(draft.layers) != 1:
+        # the layout below names one decoder layer ("midlayer"), as EAGLE-3's checkpoints do; a
+        # deeper draft's other layers would have no name the engines are known to read
+        raise ValueError(f"the EAGLE-3 export writes one decoder layer (EAGLE-3's layout); "
+                         f"this draft has {len(draft.layers)} (draft.eagle3_layers)")
     head_rows = draft.lm_head.weight.shape[0]
     hf = _eagle3_config(draft, draft_vocab_size=head_rows,
                         max_position_embeddings=max_position_embeddings)

@@ -22,6 +22,8 @@ Two parts, in fp32, on the ranks that train the draft (a pipeline's last stage):
   the losses run at the trained anchors only; the trunk attention's dense scores, 2 N H Lmax^2,
   grow with the square of the sequence), plus
   for j >= 1 the branch keys (2 j + 3) H D T + (2 j + 4) H T, and once (k C + C + 2 J + 2) T.
+  A deeper draft (draft.eagle3_layers = L) adds per step and further layer (7 C + 4 I + 4) T
+  and the same attention terms as the first layer's (its trunk and branch, or its ring pass).
   Under cp each rank holds the whole share's targets and trains on its zigzag shard of T / cp
   tokens (and padding) with ring attention, no dense scores: per step
   (12 C + 4 I + 2 D + 4 Vd + 6 + 2 H D + 2 Hkv D + H) T + 2 j Hkv D T, once (k C + C + 2) T
@@ -73,15 +75,18 @@ def ttt_activation_floats(d: ModelConfig, tokens: float, sequences: float, longe
     T, N, L, Vd = tokens, sequences, longest, head or d.vocab_size
     C, H, Hkv, D = d.hidden_size, d.num_heads, d.num_kv_heads, d.head_dim
     floats = (taps * C + C + 2 + (0 if ring else 2 * steps)) * T
+    extra_layers = d.num_layers - 1  # a deeper draft's plain decoder layers
     for j in range(steps):
         floats += (12 * C + 4 * d.intermediate_size + 2 * D + 4) * T
+        floats += extra_layers * (7 * C + 4 * d.intermediate_size + 4) * T
         floats += (4 * Vd + 2) * trained_anchors(T, N, j, ring)  # the losses' rows
         if ring:  # the ring's q, K/V, output and log-sum-exp; the branch keys and values
-            floats += (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
+            attention = (2 * H * D + 2 * Hkv * D + H) * T + 2 * j * Hkv * D * T
         else:  # the dense trunk attention, and the branch
-            floats += 3 * N * H * L * D + N * H * L + 2 * N * H * L * L + L * L / 4
+            attention = 3 * N * H * L * D + N * H * L + 2 * N * H * L * L + L * L / 4
             if j:
-                floats += (2 * j + 3) * H * D * T + (2 * j + 4) * H * T
+                attention += (2 * j + 3) * H * D * T + (2 * j + 4) * H * T
+        floats += d.num_layers * attention  # every layer attends alike
     return floats
 
 
