@@ -148,6 +148,7 @@ def test_the_paired_plain_engine_is_nones_else_a_plain_one_over_a_speculative_mo
     from cospec.config import resolve
     from cospec.experiments.stale_draft import paired_plain_engine
     from cospec.models.llama import Transformer
+    from cospec.rl.trainer import GRPOTrainer
     from cospec.rollout.engine import GenerationEngine
     from cospec.rollout.speculative import SpeculativeEngine
 
@@ -158,8 +159,10 @@ def test_the_paired_plain_engine_is_nones_else_a_plain_one_over_a_speculative_mo
     def trainer(speculative: bool, policy, engine=None):
         mode_cfg = SimpleNamespace(rollout=SimpleNamespace(speculative=speculative, compile=False),
                                    sampling=cfg.sampling)
-        return SimpleNamespace(cfg=mode_cfg, rollout_policy=policy, engine=engine,
-                               data=SimpleNamespace(tokenizer=SimpleNamespace(stop_ids=(2,))))
+        t = SimpleNamespace(cfg=mode_cfg, rollout_policy=policy, engine=engine,
+                            data=SimpleNamespace(tokenizer=SimpleNamespace(stop_ids=(2,))))
+        t.make_engine = lambda *, plain=False: GRPOTrainer.make_engine(t, plain=plain)
+        return t
 
     none_engine = object()
     both = {"none": trainer(False, policies[0], none_engine), "frozen": trainer(True, policies[1])}

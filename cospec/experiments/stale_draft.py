@@ -105,19 +105,14 @@ def run_lockstep(trainers: dict, steps: int, out: Path) -> dict[str, list[dict]]
 
 
 def paired_plain_engine(trainers: dict):
-    """The plain engine that times the speculative modes' answers: `none`'s, else one over the
-    first speculative mode's rollout policy, as `GRPOTrainer._make_engine` makes a plain one
-    (None where no mode speculates). A new engine's first timing includes its warm-up, as
-    `none`'s first step does (grpo_per_token.py skips step 1)."""
+    """The plain engine that times the speculative modes' answers: `none`'s, else a plain one
+    over the first speculative mode's rollout policy (None where no mode speculates). A new
+    engine's first timing includes its warm-up, as `none`'s first step does
+    (grpo_per_token.py skips step 1)."""
     if "none" in trainers:
         return trainers["none"].engine
     spec = next((t for t in trainers.values() if t.cfg.rollout.speculative), None)
-    if spec is None:
-        return None
-    from cospec.rollout.engine import GenerationEngine
-
-    return GenerationEngine(spec.rollout_policy, batch_size=spec.cfg.sampling.batch_size,
-                            stop_ids=spec.data.tokenizer.stop_ids, compile=spec.cfg.rollout.compile)
+    return None if spec is None else spec.make_engine(plain=True)
 
 
 def paired_plain_seconds(plain_engine, speculative) -> float:

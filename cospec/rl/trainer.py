@@ -118,14 +118,15 @@ class GRPOTrainer:
                 [p for p in draft.parameters() if p.requires_grad], lr=cfg.draft.cotrain_lr,
                 betas=(0.9, 0.95), weight_decay=0.0, fused=True)
         self.prompt_rng = random.Random(cfg.task.seed * 7919 + self.g.seed)
-        self.engine = self._make_engine() if self.generates else None
+        self.engine = self.make_engine() if self.generates else None
         self.step = 0
         self.tensorboard = tensorboard
         self._step_start_rng, self._updated_this_step = None, False  # see `_stopped`
 
-    def _make_engine(self):
+    def make_engine(self, *, plain: bool = False):
+        """The rollout engine the config asks for; ``plain``: a plain one whatever it asks."""
         r, batch, stop_ids = self.cfg.rollout, self.cfg.sampling.batch_size, self.data.tokenizer.stop_ids
-        if not r.speculative:
+        if plain or not r.speculative:
             return GenerationEngine(self.rollout_policy, batch_size=batch, stop_ids=stop_ids,
                                     compile=r.compile)
         if self.draft is None:
