@@ -233,10 +233,10 @@ class Eagle3Draft(TappedDraft):
         layer on the feature of t - 1 (a state that predicts s_t, one position early), with its
         own token barely heard; training shifts it (docs/design.md, "Starting the draft's layer
         from the policy's"). A deeper draft's further layers are copies of the policy's next
-        ones, so it starts as the policy's layers hi + 1 .. hi + num_layers. Why it helps: the layer starts from weights that already read and
-        write the policy's residual stream, not from noise (measured on SmolLM2-135M after the
-        same 240 steps: held-out acceptance +0.06-0.07 at every TTT step, tau 1.71 -> 1.88 in
-        rollouts; docs/results/real_model.md)."""
+        ones, so it starts as the policy's layers hi + 1 .. hi + num_layers. Why it helps: the
+        layer starts from weights that already read and write the policy's residual stream, not
+        from noise (measured on SmolLM2-135M after the same 240 steps: held-out acceptance
+        +0.06-0.07 at every TTT step, tau 1.71 -> 1.88 in rollouts; docs/results/real_model.md)."""
         C, hi, n = self.config.hidden_size, max(self.tap_layers), len(self.layers)
         src_id = hi + 1
         if src_id + n - 1 >= policy.config.num_layers:

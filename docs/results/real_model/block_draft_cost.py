@@ -41,6 +41,30 @@ def median_seconds(fn, cache: KVCache, repeats: int = 15, warmup: int = 3) -> fl
     return statistics.median(times)
 
 
+def verify_and_decode_seconds(policy: Transformer, N: int) -> tuple[float, float]:
+    """The policy's (gamma + 1)-token verify and one-token decode forwards over N rows of CONTEXT
+    tokens of cache."""
+    cache = KVCache.for_model(policy, N, CONTEXT + 16)
+    policy(torch.randint(0, 1000, (N, CONTEXT)), kv_cache=cache)
+    verify = median_seconds(lambda: policy(torch.randint(0, 1000, (N, GAMMA + 1)), kv_cache=cache),
+                            cache)
+    decode = median_seconds(lambda: policy(torch.randint(0, 1000, (N, 1)), kv_cache=cache), cache)
+    return verify, decode
+
+
+def eagle3_drafting_seconds(drafter: Eagle3Drafter, feats: torch.Tensor) -> float:
+    """An EAGLE-3 drafter's gamma one-token steps after the CONTEXT entries of feats' rows."""
+    N = feats.shape[0]
+    dc = drafter.new_cache(N, CONTEXT + 16)
+    drafter(dc, torch.randint(0, 1000, (N, CONTEXT)), feats, None)
+
+    def steps():
+        h = feats[:, -1:]
+        for _ in range(GAMMA):
+            _, h = drafter(dc, torch.randint(0, 1000, (N, 1)), h, None)
+    return median_seconds(steps, dc)
+
+
 def main() -> None:
     torch.manual_seed(0)
     policy = Transformer(SMOLLM2).eval()
@@ -55,25 +79,14 @@ def main() -> None:
           "block+corr / verify | corr / block")
     with torch.inference_mode():
         for N in (1, 16):
-            cache = KVCache.for_model(policy, N, CONTEXT + 16)
-            policy(torch.randint(0, 1000, (N, CONTEXT)), kv_cache=cache)
-            verify = median_seconds(
-                lambda: policy(torch.randint(0, 1000, (N, GAMMA + 1)), kv_cache=cache), cache)
-            decode = median_seconds(
-                lambda: policy(torch.randint(0, 1000, (N, 1)), kv_cache=cache), cache)
+            verify, decode = verify_and_decode_seconds(policy, N)
             feats = torch.randn(N, CONTEXT, 576)
             cost = {}
             for name, drafter in drafts.items():
-                dc = drafter.new_cache(N, CONTEXT + 16)
                 if name == "eagle3":  # the context entries, then gamma one-token steps
-                    drafter(dc, torch.randint(0, 1000, (N, CONTEXT)), feats, None)
-
-                    def steps(drafter=drafter, dc=dc):
-                        h = feats[:, -1:]
-                        for _ in range(GAMMA):
-                            _, h = drafter(dc, torch.randint(0, 1000, (N, 1)), h, None)
-                    cost[name] = median_seconds(steps, dc)
+                    cost[name] = eagle3_drafting_seconds(drafter, feats)
                 else:
+                    dc = drafter.new_cache(N, CONTEXT + 16)
                     drafter.add_context(dc, feats, None, CONTEXT)
                     cost[name] = median_seconds(
                         lambda drafter=drafter, dc=dc: drafter.draft(

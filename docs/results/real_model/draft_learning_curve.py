@@ -10,8 +10,10 @@ from the policy) or `layer` (the layer also copied from the policy's decoder lay
 tap, layer 27 of SmolLM2: `draft.layer_from_policy`), with any of the suffixes `+norm` (the final
 norm's weight copied from the policy's, so the copied head rows see states scaled as the
 policy's head does), `+fhead` (the head frozen at the policy's rows), `+lr=X` (draft.lr X
-instead of the recipe's 2e-3; the same warmup and cosine to a tenth) and `+tv=W` (draft.tv_weight
-W: the loss (1 - W) x soft cross-entropy + W x total variation, instead of cross-entropy alone).
+instead of the recipe's 2e-3; the same warmup and cosine to a tenth), `+tv=W` (draft.tv_weight
+W: the loss (1 - W) x soft cross-entropy + W x total variation, instead of cross-entropy alone)
+and `+layers=N` (draft.eagle3_layers N: plain decoder layers after the first; with `layer` they
+start as the policy's layers after the copied one).
 
 The answers are draft-train's own (`cospec.draft.answer_store`: TRAIN_PROMPTS, default 256, of
 the training prompt stream, and 48 held-out prompts of its own stream), sampled once and kept in
@@ -49,8 +51,9 @@ OVERRIDES = ["draft.ttt_steps=4", "draft.tokens_per_batch=640",
 
 def train(variant: str, cfg, policy, vocab_ids, train_b, held_b, save: Path | None) -> None:
     base, *options = variant.split("+")
-    fields = {"lr": "lr", "tv": "tv_weight"}  # the suffix's name -> the draft field it sets
-    given = {fields[name]: float(value) for name, value in
+    # the suffix's name -> the draft field it sets, and that field's type
+    fields = {"lr": ("lr", float), "tv": ("tv_weight", float), "layers": ("eagle3_layers", int)}
+    given = {fields[name][0]: fields[name][1](value) for name, value in
              (o.split("=", 1) for o in options if "=" in o)}
     cfg = apply(cfg, {"draft": {"layer_from_policy": base == "layer", **given}})
     draft = build_draft(cfg, policy, vocab_ids)
@@ -61,8 +64,9 @@ def train(variant: str, cfg, policy, vocab_ids, train_b, held_b, save: Path | No
     t0 = time.perf_counter()
     metrics = fit_draft(cfg, draft, train_b, held_b, progress=False)
     for h in metrics["held_out"]:
-        print(f"{variant} step {h['step']}: held-out {[round(a, 3) for a in h['acceptance']]}",
-              flush=True)
+        tau = h.get("expected_accept_length", [float("nan")])[0]
+        print(f"{variant} step {h['step']}: held-out {[round(a, 3) for a in h['acceptance']]}, "
+              f"expected tau {tau:.3f}", flush=True)
     print(f"{variant}: last batch {[round(a, 3) for a in metrics['last_batch']['acceptance']]}, "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     if save is not None:
