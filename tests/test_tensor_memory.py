@@ -1,5 +1,7 @@
 """Specification of cospec.metrics.tensor_memory: the peak of tensor memory over a piece of work."""
 
+import gc
+
 import torch
 
 from cospec.metrics.tensor_memory import TensorMemoryPeak, live_tensor_bytes
@@ -9,6 +11,7 @@ MiB = 2 ** 20
 
 def test_the_peak_is_what_was_alive_before_plus_the_most_allocated_at_once_inside():
     kept = torch.empty(MiB, dtype=torch.uint8)  # alive on entry: counted
+    gc.collect()  # as the meter does on entry: garbage left by earlier tests is not alive
     before = live_tensor_bytes()
     assert before >= kept.untyped_storage().nbytes()
     with TensorMemoryPeak(device="cpu") as meter:
